@@ -1,0 +1,3 @@
+from p2p_cocodc.cli import main
+
+main()
