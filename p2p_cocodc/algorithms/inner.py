@@ -1,0 +1,82 @@
+"""The inner optimizer every replica runs between syncs: AdamW, warmup + cosine LR, grad clipping."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class InnerSettings:
+    lr: float = 1e-3
+    warmup: int = 50
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+    def lr_at(self, step: int) -> float:
+        """LR of inner step ``step`` (1-based): linear warmup, then cosine down to min_lr_ratio·lr."""
+        if step <= self.warmup:
+            return self.lr * step / max(self.warmup, 1)
+        progress = min((step - self.warmup) / max(self.total_steps - self.warmup, 1), 1.0)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+    def decay_between(self, start: int, end: int) -> float:
+        """Π (1 − lr·wd) over steps start+1..end: how much decoupled weight decay shrank the params."""
+        factor = 1.0
+        for step in range(start + 1, end + 1):
+            factor *= 1.0 - self.lr_at(step) * self.weight_decay
+        return factor
+
+
+class InnerTrainer:
+    """One replica's model and AdamW. ``backward`` and ``update`` are split so DDP can average grads."""
+
+    def __init__(self, model: nn.Module, settings: InnerSettings) -> None:
+        self.model = model
+        self.settings = settings
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=settings.lr,
+            betas=(settings.beta1, settings.beta2),
+            weight_decay=settings.weight_decay,
+        )
+
+    def backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        return float(loss.detach())
+
+    def update(self, step: int) -> None:
+        if self.settings.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.settings.lr_at(step)
+        self.optimizer.step()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
+        loss = self.backward(x, y)
+        self.update(step)
+        return loss
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross-entropy over fixed validation batches."""
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        logits = model(x)
+        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+    return total / len(batches)

@@ -1,0 +1,40 @@
+"""The outer optimizer of one fragment: SGD with Nesterov momentum over the averaged outer gradient.
+
+State (θ̄ and the momentum buffer) is fp32 whatever the model trains in. Every peer runs the same
+float ops on the same averaged Δ, so every peer holds a bit-identical θ̄ after each sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    gap_penalty: float = 1.0  # CO2's staleness gap penalty Λ: the outer gradient is divided by it
+    momentum_clip: float | None = None  # CO2's outer-momentum clipping φ: buffer clamped to ±φ
+
+
+class OuterOptimizer:
+    """θ̄ ← θ̄ − η(Δ + μb) with b ← μb + Δ (torch SGD nesterov semantics); Δ = θ̄ − mean θ."""
+
+    def __init__(self, initial: torch.Tensor, settings: OuterSettings) -> None:
+        self.settings = settings
+        self.global_params = initial.detach().float().clone()
+        self.momentum = torch.zeros_like(self.global_params)
+
+    def step(self, delta: torch.Tensor) -> torch.Tensor:
+        """Apply one averaged outer gradient; returns θ̄ (the new global fragment)."""
+        s = self.settings
+        grad = delta.float() / s.gap_penalty if s.gap_penalty != 1.0 else delta.float()
+        self.momentum.mul_(s.momentum).add_(grad)
+        if s.momentum_clip is not None:
+            self.momentum.clamp_(-s.momentum_clip, s.momentum_clip)
+        update = grad.add(self.momentum, alpha=s.momentum) if s.nesterov else self.momentum
+        self.global_params.sub_(update, alpha=s.lr)
+        return self.global_params

@@ -1,0 +1,91 @@
+"""Which fragment is sent after which inner step. Every peer computes the same answer locally.
+
+Streaming DiLoCo sends fragment p every H steps at fixed offsets; CoCoDC has one send slot every
+h = ⌊H/N⌋ steps and picks the fragment adaptively, from data every peer holds identically.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import Protocol
+
+import torch
+
+
+class Schedule(Protocol):
+    def select(self, step: int, in_flight: Collection[int]) -> list[int]: ...
+
+    def record_send(self, fragment: int, step: int) -> None: ...
+
+    def record_result(self, fragment: int, delta: torch.Tensor) -> None: ...
+
+
+class FixedSchedule:
+    """Fragment p is sent at steps (p+1)·H/K + k·H: round robin, each fragment every H steps.
+
+    These offsets are what CoCoDC's adaptive schedule produces at N = K, so the two compare on the
+    same timetable. K = 1 sends the whole model every H steps: DiLoCo.
+    """
+
+    def __init__(self, inner_steps: int, num_fragments: int) -> None:
+        self.period = inner_steps
+        self.spacing = inner_steps // num_fragments
+        self.num_fragments = num_fragments
+
+    def select(self, step: int, in_flight: Collection[int]) -> list[int]:
+        if step <= 0 or step % self.spacing:
+            return []
+        p = (step // self.spacing - 1) % self.num_fragments
+        return [] if p in in_flight else [p]
+
+    def record_send(self, fragment: int, step: int) -> None:
+        """Fixed offsets need no memory of past sends."""
+
+    def record_result(self, fragment: int, delta: torch.Tensor) -> None:
+        """Fixed offsets ignore the results."""
+
+
+class AdaptiveSchedule:
+    """CoCoDC's adaptive transmission, in the variant a peer-to-peer swarm can agree on silently.
+
+    One slot every h = ⌊H/N⌋ steps. At a slot, among fragments not in flight: the first fragment
+    not sent for ≥ H steps (staleness bound); else the first never-sent fragment; else the highest
+    drift score rms(last averaged Δ_p) · (steps since p's last send) / (length of p's last
+    interval). The score uses only averaged results and send steps, identical on every peer.
+    """
+
+    def __init__(self, inner_steps: int, num_fragments: int, transmissions: int) -> None:
+        self.inner_steps = inner_steps
+        self.spacing = max(inner_steps // transmissions, 1)
+        self.last_send = [0] * num_fragments  # 0: synchronised at initialisation
+        self.prev_send = [0] * num_fragments
+        self.sent = [False] * num_fragments
+        self.last_rms = [0.0] * num_fragments
+
+    def select(self, step: int, in_flight: Collection[int]) -> list[int]:
+        if step <= 0 or step % self.spacing:
+            return []
+        free = [p for p in range(len(self.sent)) if p not in in_flight]
+        if not free:
+            return []
+        for p in free:
+            if step - self.last_send[p] >= self.inner_steps:
+                return [p]
+        for p in free:
+            if not self.sent[p]:
+                return [p]
+        return [max(free, key=lambda p: (self._drift(p, step), -p))]
+
+    def _drift(self, p: int, step: int) -> float:
+        interval = max(self.last_send[p] - self.prev_send[p], 1)
+        return self.last_rms[p] * (step - self.last_send[p]) / interval
+
+    def record_send(self, fragment: int, step: int) -> None:
+        self.prev_send[fragment] = self.last_send[fragment]
+        self.last_send[fragment] = step
+        self.sent[fragment] = True
+
+    def record_result(self, fragment: int, delta: torch.Tensor) -> None:
+        """Remember the size of the averaged outer gradient: the drift estimate for the score."""
+        self.last_rms[fragment] = math.sqrt(float(delta.double().square().sum()) / delta.numel())

@@ -1,0 +1,233 @@
+"""The strategies: what one replica does around its inner steps. Both drivers call them the same way.
+
+After inner step t a driver calls, in this order::
+
+    for p in strategy.due(t):        apply(p, averaged Δ_p, t)   # results whose time has come
+    for p in strategy.sends_after(t): exchange payload(p, t)      # start the fragment's sync
+    for p in strategy.due(t):        apply(p, averaged Δ_p, t)   # τ = 0: the sync just started
+
+The averaged Δ_p is the mean over replicas of the payloads; a driver gets it however it can (in
+memory, or over the swarm). Schedules only depend on data every replica holds identically, so all
+replicas send the same fragments at the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_per_tensor
+from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
+from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
+from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, Schedule
+from p2p_cocodc.errors import UserError
+
+ALGORITHMS = ("ddp", "diloco", "streaming", "cocodc")
+DC_RULES = ("tensor", "step")
+
+
+@dataclass(frozen=True)
+class AlgoSettings:
+    """Everything the core needs to know about the algorithm; validated on construction."""
+
+    algo: str = "cocodc"
+    inner_steps: int = 48
+    fragments: int = 4
+    pattern: str = "strided"
+    overlap: int = 12
+    alpha: float = 0.5
+    dc_lambda: float = 0.5
+    dc_rule: str = "tensor"
+    dc_lambda_max: float = 10.0
+    dc_wd_debias: bool = False
+    transmissions: int = 4
+    outer: OuterSettings = field(default_factory=OuterSettings)
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGORITHMS:
+            raise UserError(f"unknown --algo {self.algo!r}: use one of {', '.join(ALGORITHMS)}")
+        if self.dc_rule not in DC_RULES:
+            raise UserError(f"unknown --dc-rule {self.dc_rule!r}: use one of {', '.join(DC_RULES)}")
+        if self.inner_steps < 1:
+            raise UserError(f"--inner-steps must be ≥ 1, got {self.inner_steps}")
+        if self.overlap < 0 or (self.algo != "ddp" and self.overlap >= self.inner_steps):
+            raise UserError(
+                f"--overlap {self.overlap} must be in [0, --inner-steps {self.inner_steps}): a sync "
+                "must land before the same fragment is sent again"
+            )
+        if self.algo == "diloco" and self.overlap:
+            raise UserError("diloco blocks on every sync: use --overlap 0, or --algo streaming")
+        if self.algo == "streaming" and self.inner_steps % self.fragments:
+            raise UserError(
+                f"streaming needs --inner-steps ({self.inner_steps}) divisible by --fragments "
+                f"({self.fragments}) so each fragment syncs every H steps at its own offset"
+            )
+        if self.algo == "cocodc" and not 1 <= self.transmissions <= self.inner_steps:
+            raise UserError(
+                f"--transmissions {self.transmissions} must be between 1 and --inner-steps "
+                f"{self.inner_steps} (one send slot every ⌊H/N⌋ steps)"
+            )
+        if not 0.0 <= self.alpha <= 1.0:
+            raise UserError(f"--alpha must be in [0, 1], got {self.alpha}")
+        if self.dc_lambda < 0 or self.dc_lambda_max < 0:
+            raise UserError("--dc-lambda and --dc-lambda-max must be ≥ 0")
+        o = self.outer
+        if o.lr <= 0 or not 0 <= o.momentum < 1 or o.gap_penalty <= 0:
+            raise UserError(
+                "outer optimizer needs --outer-lr > 0, --outer-momentum in [0, 1), "
+                "--gap-penalty > 0"
+            )
+        if o.momentum_clip is not None and o.momentum_clip <= 0:
+            raise UserError(f"--momentum-clip must be > 0, got {o.momentum_clip}")
+
+
+@dataclass
+class PendingSync:
+    """What a replica keeps for a fragment between its send and the arrival of the result."""
+
+    snapshot: torch.Tensor
+    sent_step: int
+    due_step: int
+
+
+class Strategy:
+    """One replica's DiLoCo-family state: θ̄ and outer momentum per fragment, syncs in flight."""
+
+    def __init__(
+        self, model: nn.Module, fragments: list[Fragment], schedule: Schedule, overlap: int,
+        outer: OuterSettings,
+    ) -> None:
+        self.model = model
+        self.fragments = fragments
+        self.schedule = schedule
+        self.overlap = overlap
+        self.outer = [OuterOptimizer(f.read(), outer) for f in fragments]
+        self.in_flight: dict[int, PendingSync] = {}
+
+    def sends_after(self, step: int) -> list[int]:
+        return self.schedule.select(step, self.in_flight.keys())
+
+    def payload(self, p: int, step: int) -> torch.Tensor:
+        """Snapshot fragment p and return this replica's outer gradient Δ = θ̄_p − θ_p."""
+        if p in self.in_flight:
+            raise RuntimeError(f"fragment {p} is already in flight")
+        snapshot = self.fragments[p].read()
+        self.in_flight[p] = PendingSync(snapshot, step, step + self.overlap)
+        self.schedule.record_send(p, step)
+        return self.outer[p].global_params - snapshot
+
+    def due(self, step: int) -> list[int]:
+        """Fragments whose result must be applied now, in the order they were sent."""
+        ready = [(s.due_step, p) for p, s in self.in_flight.items() if s.due_step <= step]
+        return [p for _, p in sorted(ready)]
+
+    def apply(self, p: int, averaged: torch.Tensor, step: int) -> None:
+        """Outer step on θ̄_p with the averaged Δ_p, then fold the new global into the replica."""
+        pending = self.in_flight.pop(p)
+        new_global = self.outer[p].step(averaged)
+        fragment = self.fragments[p]
+        fragment.write(self.merge(fragment, new_global, pending, step))
+        self.schedule.record_result(p, averaged)
+
+    def merge(
+        self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int
+    ) -> torch.Tensor:
+        """DiLoCo: the replica restarts from the new global fragment."""
+        return new_global
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """θ̄ as a state dict (model order), for evaluation and the run's fingerprint."""
+        values: dict[str, torch.Tensor] = {}
+        for fragment, outer in zip(self.fragments, self.outer, strict=True):
+            chunks = fragment.per_tensor(outer.global_params)
+            for name, param, chunk in zip(fragment.names, fragment.params, chunks, strict=True):
+                values[name] = chunk.view_as(param)
+        return {k: values.get(k, v) for k, v in self.model.state_dict().items()}
+
+
+class Streaming(Strategy):
+    """Streaming DiLoCo: θ_p ← α·θ_p(now) + (1 − α)·z_p."""
+
+    def __init__(self, model: nn.Module, fragments: list[Fragment], settings: AlgoSettings) -> None:
+        schedule = FixedSchedule(settings.inner_steps, len(fragments))
+        super().__init__(model, fragments, schedule, settings.overlap, settings.outer)
+        self.alpha = settings.alpha
+
+    def merge(
+        self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int
+    ) -> torch.Tensor:
+        return torch.lerp(new_global, fragment.read(), self.alpha)
+
+
+class CoCoDC(Strategy):
+    """CoCoDC: adaptive transmission plus Taylor delay compensation of the local progress."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        fragments: list[Fragment],
+        settings: AlgoSettings,
+        decay_between: Callable[[int, int], float] | None = None,
+    ) -> None:
+        schedule = AdaptiveSchedule(settings.inner_steps, len(fragments), settings.transmissions)
+        super().__init__(model, fragments, schedule, settings.overlap, settings.outer)
+        self.settings = settings
+        self.decay_between = decay_between
+        if settings.dc_wd_debias and decay_between is None:
+            raise ValueError("weight-decay debias needs the inner LR schedule (decay_between)")
+
+    def merge(
+        self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int
+    ) -> torch.Tensor:
+        s = self.settings
+        z = fragment.per_tensor(new_global)
+        snap = fragment.per_tensor(pending.snapshot)
+        now = fragment.per_tensor(fragment.read())
+        if s.dc_rule == "tensor":
+            merged = compensate_per_tensor(z, snap, now, s.dc_lambda)
+        else:
+            decay = None
+            if s.dc_wd_debias and self.decay_between is not None:
+                decay = self.decay_between(pending.sent_step, step)
+            merged = compensate_per_step(
+                z, snap, now, s.dc_lambda, step - pending.sent_step, s.dc_lambda_max, decay
+            )
+        return torch.cat([m.reshape(-1) for m in merged])
+
+
+class DataParallel:
+    """The ddp baseline: gradients averaged every step; θ̄ is the (identical) replica itself."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient_payload(self) -> torch.Tensor:
+        return torch.cat([p.grad.reshape(-1).float() for p in self.params])  # type: ignore[union-attr]
+
+    def apply_gradients(self, averaged: torch.Tensor) -> None:
+        for p, chunk in zip(self.params, averaged.split([p.numel() for p in self.params]), strict=True):
+            p.grad.copy_(chunk.view_as(p))  # type: ignore[union-attr]
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+
+def make_strategy(
+    model: nn.Module,
+    settings: AlgoSettings,
+    decay_between: Callable[[int, int], float] | None = None,
+) -> Strategy | DataParallel:
+    """The strategy object of one replica for ``settings.algo``."""
+    if settings.algo == "ddp":
+        return DataParallel(model)
+    if settings.algo == "diloco":
+        whole_model = make_fragments(model, 1, "sequential")
+        return Strategy(model, whole_model, FixedSchedule(settings.inner_steps, 1), 0, settings.outer)
+    fragments = make_fragments(model, settings.fragments, settings.pattern)
+    if settings.algo == "streaming":
+        return Streaming(model, fragments, settings)
+    return CoCoDC(model, fragments, settings, decay_between)

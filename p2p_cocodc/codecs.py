@@ -1,0 +1,243 @@
+"""Wire codecs for the outer gradients (pseudo-gradients) that peers exchange.
+
+Outer gradients cross slow WAN links, so their size sets the step time; quantizing them is the
+cheapest lever. Every payload is a concatenation of little-endian arrays (the wire contract; hosts
+are assumed little-endian, as x86 and ARM are), for a flat vector of ``n`` float32 values:
+
+``fp32``  ``n`` float32 values (4·n bytes). Lossless.
+``bf16``  ``n`` bfloat16 values, round-to-nearest-even from float32 (2·n bytes).
+``int8``  blockwise absmax, block 256 (last block may be short), ``nb = ceil(n/256)``:
+          ``nb`` float32 scales ``s = absmax/127`` (0 for an all-zero block), then ``n`` int8
+          codes ``q = round(x/s)`` clamped to [-127, 127]. Value = ``q·s``. Bytes: 4·nb + n.
+``fp4``   Streaming DiLoCo's FP4 E3M0, block 64, ``nb = ceil(n/64)``: ``nb`` float32 scales
+          ``s = absmax`` of the block, then ``ceil(n/2)`` bytes of 4-bit codes, element 2i in the
+          low nibble and 2i+1 in the high nibble; an odd ``n`` pads the last high nibble with the
+          zero code 0x7, which decoders ignore. Code = ``sign << 3 | e``: ``e`` in 0..6 means
+          magnitude ``s·2^-e``, ``e = 7`` means zero (encoded with sign 0). Encoding picks the
+          nearest level in log2 space, ``e = round(-log2(|x|/s))`` clamped to [0, 6]; magnitudes
+          below ``s·2^-6.5`` become zero. Value = ``±s·2^-e``. Bytes: 4·nb + ceil(n/2).
+
+Decoded values are already on the codec's grid, so decode→encode→decode returns the same tensor.
+``decode`` takes payloads from untrusted peers: it checks the length against the ``numel`` the
+caller expects before allocating anything and rejects non-finite or negative scales and values,
+always with :class:`UserError`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from p2p_cocodc.errors import UserError
+
+__all__ = ["CODECS", "Codec", "decode_mean", "get_codec"]
+
+
+class Codec(ABC):
+    """One wire format; the public methods validate, subclasses only implement the format."""
+
+    name: str
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        """Serialize a 1-D float tensor (any device, any strides) to wire bytes."""
+        if not isinstance(x, torch.Tensor):
+            raise UserError(f"{self.name}: encode expects a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 1 or not x.is_floating_point():
+            raise UserError(
+                f"{self.name}: encode expects a 1-D float tensor, got {x.dim()}-D {x.dtype}"
+            )
+        x = x.detach().to(torch.float32)
+        if not bool(torch.isfinite(x).all()):
+            raise UserError(f"{self.name}: cannot encode NaN or Inf values (diverged training?)")
+        return self._encode(x)
+
+    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        """Parse an untrusted payload into a new 1-D float32 CPU tensor of ``numel`` values."""
+        if not isinstance(payload, bytes | bytearray):
+            raise UserError(f"{self.name}: payload must be bytes, got {type(payload).__name__}")
+        expected = self.wire_bytes(numel)
+        if len(payload) != expected:
+            raise UserError(
+                f"{self.name}: payload for {numel} values must be {expected} bytes, "
+                f"got {len(payload)} bytes"
+            )
+        # bytearray copy: the result must own writable memory, and bytes are read-only.
+        buf = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if payload
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        out = self._decode(buf, numel)
+        if not bool(torch.isfinite(out).all()):
+            raise UserError(f"{self.name}: payload decodes to NaN or Inf values")
+        return out
+
+    def wire_bytes(self, numel: int) -> int:
+        """Exact payload size for ``numel`` values; used to validate before allocating."""
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+            raise UserError(f"{self.name}: numel must be a non-negative int, got {numel!r}")
+        return self._wire_bytes(numel)
+
+    @abstractmethod
+    def _wire_bytes(self, numel: int) -> int: ...
+
+    @abstractmethod
+    def _encode(self, x: torch.Tensor) -> bytes:
+        """``x`` is a finite 1-D float32 tensor."""
+
+    @abstractmethod
+    def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        """``buf`` is writable uint8 of exactly ``wire_bytes(numel)`` bytes."""
+
+
+def _to_bytes(*parts: torch.Tensor) -> bytes:
+    """Concatenate the raw bytes of tensors (any device) without a numpy round trip."""
+    raw = [p.contiguous().view(torch.uint8).reshape(-1) for p in parts]
+    out = bytearray(sum(r.numel() for r in raw))
+    if out:
+        dst = torch.frombuffer(out, dtype=torch.uint8)
+        pos = 0
+        for r in raw:
+            dst[pos : pos + r.numel()].copy_(r)
+            pos += r.numel()
+    return bytes(out)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """View ``x`` as (nblocks, block), zero-padded; zero padding never changes a block absmax."""
+    return F.pad(x, (0, -x.numel() % block)).view(-1, block)
+
+
+def _check_scales(name: str, scales: torch.Tensor) -> None:
+    """Honest encoders only emit finite, non-negative scales; anything else is a hostile payload."""
+    bad = ~(torch.isfinite(scales) & (scales >= 0))
+    if bool(bad.any()):
+        block = int(bad.nonzero()[0, 0])
+        raise UserError(
+            f"{name}: block {block} has invalid scale {float(scales[block])} "
+            "(must be finite and >= 0)"
+        )
+
+
+class Fp32Codec(Codec):
+    """Lossless baseline."""
+
+    name = "fp32"
+
+    def _wire_bytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        return _to_bytes(x)
+
+    def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        return buf.view(torch.float32)
+
+
+class Bf16Codec(Codec):
+    """Halves traffic; keeps fp32's exponent range so no scales are needed."""
+
+    name = "bf16"
+
+    def _wire_bytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        y = x.to(torch.bfloat16)
+        if not bool(torch.isfinite(y).all()):
+            raise UserError("bf16: values beyond the bfloat16 range (~3.39e38) cannot be encoded")
+        return _to_bytes(y)
+
+    def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        return buf.view(torch.bfloat16).to(torch.float32)
+
+
+class Int8Codec(Codec):
+    """~3.9x smaller than fp32 with error at most half a quantization step per element."""
+
+    name = "int8"
+    block = 256
+
+    def _wire_bytes(self, numel: int) -> int:
+        return 4 * -(-numel // self.block) + numel
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        xb = _blocks(x, self.block)
+        scales = xb.abs().amax(dim=1) / 127
+        # An all-zero block has scale 0 and codes 0; divide by 1 there instead of 0.
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = (xb / divisor[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return _to_bytes(scales, q.reshape(-1)[: x.numel()])
+
+    def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        nb = -(-numel // self.block)
+        scales = buf[: 4 * nb].view(torch.float32)
+        _check_scales(self.name, scales)
+        q = buf[4 * nb :].view(torch.int8)
+        if bool((q == -128).any()):
+            raise UserError("int8: code -128 is outside the valid range [-127, 127]")
+        return q.to(torch.float32).mul_(scales.repeat_interleave(self.block)[:numel])
+
+
+# Decoded value of each 4-bit code (sign << 3 | e) as a multiple of the block scale; both zero
+# codes give +0.0 so a re-encode reproduces the same bits.
+_FP4_TABLE = torch.tensor(
+    [2.0**-e for e in range(7)] + [0.0] + [-(2.0**-e) for e in range(7)] + [0.0],
+    dtype=torch.float32,
+)
+
+
+class Fp4Codec(Codec):
+    """Streaming DiLoCo's FP4 E3M0: ~7.1x smaller; relative error at most 2^0.5 above s·2^-6."""
+
+    name = "fp4"
+    block = 64
+    zero_code = 7
+
+    def _wire_bytes(self, numel: int) -> int:
+        return 4 * -(-numel // self.block) + -(-numel // 2)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        xb = _blocks(x, self.block)
+        scales = xb.abs().amax(dim=1)
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+        t = torch.log2(xb.abs() / divisor[:, None]).neg_()  # +inf for zeros
+        e = t.round().clamp_(0, 6).to(torch.uint8)
+        zero = t > 6.5
+        codes = torch.where(zero, self.zero_code, e | ((xb < 0).to(torch.uint8) << 3))
+        # Padded elements are zeros, so they already carry the zero code; nblocks*64 is even.
+        pairs = codes.view(-1, 2)
+        packed = pairs[:, 0] | (pairs[:, 1] << 4)
+        return _to_bytes(scales, packed[: -(-x.numel() // 2)])
+
+    def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        nb = -(-numel // self.block)
+        scales = buf[: 4 * nb].view(torch.float32)
+        _check_scales(self.name, scales)
+        packed = buf[4 * nb :]
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:numel]
+        return _FP4_TABLE[codes.long()].mul_(scales.repeat_interleave(self.block)[:numel])
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (Fp32Codec(), Bf16Codec(), Int8Codec(), Fp4Codec())}
+
+
+def get_codec(name: str) -> Codec:
+    """Look a codec up by its config/CLI name."""
+    try:
+        return CODECS[name]
+    except (KeyError, TypeError):
+        raise UserError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}") from None
+
+
+def decode_mean(payloads: Sequence[bytes], codec: Codec, numel: int) -> torch.Tensor:
+    """Average peers' payloads; a fixed fp32 accumulation order makes every peer agree bitwise."""
+    if not payloads:
+        raise UserError("decode_mean needs at least one payload")
+    total = codec.decode(payloads[0], numel)
+    for payload in payloads[1:]:
+        total.add_(codec.decode(payload, numel))
+    return total.div_(len(payloads))

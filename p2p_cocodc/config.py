@@ -1,0 +1,190 @@
+"""One config schema for both drivers: CLI options, TOML files and validation all come from it.
+
+Each field of ``TrainConfig`` is a ``--dashed-name`` option and a TOML key (dashes or underscores).
+Values given on the command line override the file; everything is validated before any work starts.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from p2p_cocodc.algorithms.inner import InnerSettings
+from p2p_cocodc.algorithms.outer import OuterSettings
+from p2p_cocodc.algorithms.strategies import ALGORITHMS, DC_RULES, AlgoSettings
+from p2p_cocodc.codecs import CODECS
+from p2p_cocodc.data import TOKENIZERS
+from p2p_cocodc.errors import UserError
+
+AUTO = "auto"
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # algorithm
+    algo: str = _opt("cocodc", "algorithm", ALGORITHMS)
+    workers: int = _opt(4, "number of replicas M (simulated workers, or peers of a swarm)")
+    steps: int = _opt(480, "inner steps T per replica")
+    inner_steps: int = _opt(48, "H: inner steps between two syncs of the same fragment")
+    fragments: int = _opt(4, "K: number of fragments (units: embedding, each block, final norm)")
+    pattern: str = _opt("strided", "how units map to fragments", ("strided", "sequential"))
+    overlap: int | str = _opt(12, "τ: a sync started after step t is applied after step t+τ; 'auto' = "
+                              "smallest τ that hides the transfer")
+    alpha: float = _opt(0.5, "streaming merge: θ ← α·θ(now) + (1−α)·new global")
+    dc_lambda: float = _opt(0.5, "λ0 of CoCoDC's Taylor delay compensation (0 = re-apply local progress)")
+    dc_rule: str = _opt("tensor", "compensation rule: per-tensor adaptive λ, or per-step with λ cap",
+                        DC_RULES)
+    dc_lambda_max: float = _opt(10.0, "λ cap of the per-step rule")
+    dc_wd_debias: bool = _opt(False, "per-step rule: take decoupled weight decay out of the local progress")
+    transmissions: int | str | None = _opt(None, "N: fragment sends per H steps for cocodc (default: K; "
+                                           "'auto' = what the link carries)")
+    # outer optimizer
+    outer_lr: float = _opt(0.7, "outer Nesterov learning rate η")
+    outer_momentum: float = _opt(0.9, "outer Nesterov momentum μ")
+    gap_penalty: float = _opt(1.0, "CO2 staleness gap penalty Λ: outer gradient divided by Λ")
+    momentum_clip: float | None = _opt(None, "CO2 outer-momentum clipping φ (default off)")
+    codec: str = _opt("fp32", "wire format of exchanged outer gradients", tuple(CODECS))
+    # inner optimizer
+    lr: float = _opt(1e-3, "inner AdamW peak learning rate")
+    warmup: int = _opt(50, "inner LR warmup steps")
+    weight_decay: float = _opt(0.1, "inner AdamW weight decay")
+    grad_clip: float = _opt(1.0, "inner gradient-norm clip (0 = off)")
+    # model and data
+    model: str = _opt("tiny", "model preset (nano, tiny, small, base) or module:factory")
+    data: str | None = _opt(None, "UTF-8 text file or folder of .txt files (default: embedded corpus)")
+    tokenizer: str = _opt("bpe4096", "tokenizer", TOKENIZERS)
+    seq_len: int = _opt(128, "tokens per training sequence")
+    batch_size: int = _opt(8, "sequences per inner step per replica")
+    seed: int = _opt(0, "seed of the model init (data order is seeded by it too)")
+    # WAN model (simulator)
+    latency_ms: float = _opt(100.0, "one-way link latency in milliseconds")
+    bandwidth_mbps: float = _opt(50.0, "link bandwidth in megabits per second")
+    step_time: float | None = _opt(None, "seconds per inner step on the simulated clock "
+                                   "(default: measured)")
+    # evaluation and output
+    eval_every: int = _opt(48, "evaluate θ̄ every E inner steps")
+    eval_batches: int = _opt(16, "validation batches per evaluation")
+    out: str | None = _opt(None, "write JSON-lines records here")
+    threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
+
+    def validate(self) -> TrainConfig:
+        """Raise UserError naming the option to fix; return self so calls chain."""
+        positive = ["workers", "steps", "inner_steps", "fragments", "seq_len", "batch_size",
+                    "eval_every", "eval_batches"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise UserError(f"--{_dash(name)} must be ≥ 1, got {getattr(self, name)}")
+        for name in ["lr", "bandwidth_mbps"]:
+            if not getattr(self, name) > 0:
+                raise UserError(f"--{_dash(name)} must be > 0, got {getattr(self, name)}")
+        for name in ["warmup", "weight_decay", "grad_clip", "latency_ms", "seed"]:
+            if getattr(self, name) < 0:
+                raise UserError(f"--{_dash(name)} must be ≥ 0, got {getattr(self, name)}")
+        if self.step_time is not None and not self.step_time > 0:
+            raise UserError(f"--step-time must be > 0 seconds, got {self.step_time}")
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"--threads must be ≥ 1, got {self.threads}")
+        for name, value in asdict(self).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"--{_dash(name)} must be a finite number, got {value}")
+        if self.data is not None and not Path(self.data).exists():
+            raise UserError(f"--data {self.data}: no such file or folder")
+        self.algo_settings(overlap=0 if self.overlap == AUTO else None,
+                           transmissions=1 if self.transmissions == AUTO else None)
+        return self
+
+    def algo_settings(self, overlap: int | None = None, transmissions: int | None = None) -> AlgoSettings:
+        """The core's settings; ``overlap``/``transmissions`` resolve 'auto' once the link is known."""
+        tau = self.overlap if overlap is None else overlap
+        n = self.transmissions if transmissions is None else transmissions
+        return AlgoSettings(
+            algo=self.algo, inner_steps=self.inner_steps, fragments=self.fragments,
+            pattern=self.pattern, overlap=int(tau), alpha=self.alpha, dc_lambda=self.dc_lambda,
+            dc_rule=self.dc_rule, dc_lambda_max=self.dc_lambda_max, dc_wd_debias=self.dc_wd_debias,
+            transmissions=self.fragments if n is None else int(n),
+            outer=OuterSettings(lr=self.outer_lr, momentum=self.outer_momentum,
+                                gap_penalty=self.gap_penalty, momentum_clip=self.momentum_clip),
+        )
+
+    def inner_settings(self) -> InnerSettings:
+        return InnerSettings(lr=self.lr, warmup=self.warmup, total_steps=self.steps,
+                             weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Convert a TOML or CLI value to the field's type, or say what is wrong with it."""
+    f = FIELDS[name]
+    kind = str(f.type)
+    choices = f.metadata["choices"]
+    option = f"--{_dash(name)}"
+    if value is None and "None" in kind:
+        return None
+    if isinstance(value, str) and value == AUTO and AUTO in f.metadata["help"]:
+        return AUTO
+    try:
+        if kind.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes", "on"):
+                return True
+            if str(value).lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if kind.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind.startswith("float"):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+    except (TypeError, ValueError):
+        expected = kind.split(" |")[0] + (" or 'auto'" if AUTO in f.metadata["help"] else "")
+        raise UserError(f"{option} must be {expected}, got {value!r}") from None
+    value = str(value)
+    if choices and value not in choices:
+        raise UserError(f"unknown {option} {value!r}: use one of {', '.join(choices)}")
+    return value
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a config file: keys are option names with dashes or underscores."""
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: no such file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"--config {path} is not valid TOML ({exc}): fix the file") from None
+    values = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            raise UserError(f"--config {path}: unknown key {key!r}; valid keys: "
+                            f"{', '.join(_dash(n) for n in FIELDS)}")
+        values[name] = coerce(name, value)
+    return values
+
+
+def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> TrainConfig:
+    """Defaults, then the file, then the command line; validated."""
+    merged = {**file_values, **{k: coerce(k, v) for k, v in cli_values.items()}}
+    return replace(TrainConfig(), **merged).validate()
+
+
+def default_of(name: str) -> Any:
+    f = FIELDS[name]
+    return None if f.default is MISSING else f.default

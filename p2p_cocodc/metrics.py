@@ -1,0 +1,65 @@
+"""Run records: JSON lines written as a run goes, and the fingerprint of the global parameters."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+
+def params_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over θ̄ as float32 little-endian bytes, in state_dict order: equal runs, equal hash."""
+    digest = hashlib.sha256()
+    for tensor in state.values():
+        digest.update(tensor.detach().to(torch.float32).contiguous().numpy().astype("<f4").tobytes())
+    return digest.hexdigest()
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+class RunLog:
+    """Appends one JSON object per line and flushes, so a killed run keeps what it measured."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file: IO[str] | None = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a run file; a corrupt line is an error that names the file and line."""
+    from p2p_cocodc.errors import UserError
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read run file {path}: {exc}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{path}:{number} is not a JSON record") from None
+        if not isinstance(record, dict) or "kind" not in record:
+            raise UserError(f"{path}:{number} is not a p2p-cocodc record (no 'kind')")
+        records.append(record)
+    return records

@@ -1,0 +1,263 @@
+"""The simulator: M replicas in one process, the core's strategies, an in-memory exchange and a
+virtual clock that says what the run would cost over a WAN.
+
+Clock model: every replica computes in parallel, one inner step costs ``step_time`` seconds. A
+fragment sync is a butterfly all-reduce: each replica owns 1/M of the fragment, receives the others'
+encoded slices, averages in fp32 and sends its encoded average back, so a replica's link carries
+2(M−1)/M of the encoded fragment and lossy codecs quantize twice. Transfer time = latency +
+bytes / bandwidth; transfers on a link are serialised. A result that is not back when due stalls
+training (DiLoCo and DDP are due at once, so they always stall for the whole transfer).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from p2p_cocodc.algorithms.inner import InnerTrainer, evaluate
+from p2p_cocodc.algorithms.strategies import DataParallel, Strategy, make_strategy
+from p2p_cocodc.codecs import Codec, decode_mean, get_codec
+from p2p_cocodc.config import AUTO, TrainConfig
+from p2p_cocodc.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.metrics import RunLog, params_sha256, perplexity
+from p2p_cocodc.model import build_model, count_parameters
+
+
+@dataclass
+class Link:
+    """One replica's WAN link: transfers queue behind each other."""
+
+    latency_s: float
+    bandwidth_bps: float
+    free_at: float = 0.0
+
+    def transfer_time(self, num_bytes: float) -> float:
+        return self.latency_s + 8.0 * num_bytes / self.bandwidth_bps
+
+    def send(self, now: float, num_bytes: float) -> float:
+        """Queue a transfer at time ``now``; returns when it has fully arrived."""
+        self.free_at = max(self.free_at, now) + self.transfer_time(num_bytes)
+        return self.free_at
+
+
+def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:
+    """Bytes one replica sends in a butterfly all-reduce of ``numel`` values."""
+    return math.ceil(2 * (replicas - 1) * codec.wire_bytes(numel) / replicas)
+
+
+def allreduce(payloads: list[torch.Tensor], codec: Codec) -> torch.Tensor:
+    """The average every replica receives: encoded slices averaged in fp32, the average re-encoded."""
+    if len(payloads) == 1:
+        return payloads[0].clone()
+    numel = payloads[0].numel()
+    mean = decode_mean([codec.encode(x) for x in payloads], codec, numel)
+    return codec.decode(codec.encode(mean), numel)
+
+
+@dataclass
+class Worker:
+    trainer: InnerTrainer
+    shard: Shard
+    strategy: Strategy | DataParallel
+
+
+@dataclass
+class PendingResult:
+    averaged: torch.Tensor
+    arrives_at: float
+
+
+class Simulation:
+    """Builds M identical replicas and runs them; ``run`` writes records and returns the summary."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        corpus = load_corpus(cfg.data)
+        tokenizer = load_tokenizer(cfg.tokenizer, corpus)
+        tokens = tokenize_corpus(corpus, tokenizer)
+        torch.manual_seed(cfg.seed)
+        base = build_model(cfg.model, tokens.vocab_size, cfg.seq_len)
+        self.num_params = count_parameters(base)
+        self.inner = cfg.inner_settings()
+        self.codec = get_codec(cfg.codec)
+        self.val_batches = validation_batches(tokens.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+        shards = [
+            Shard(tokens.train, cfg.seq_len, cfg.batch_size, i, cfg.workers, cfg.seed)
+            for i in range(cfg.workers)
+        ]
+        self.step_time = cfg.step_time
+        if self.step_time is None and AUTO in (cfg.overlap, cfg.transmissions):
+            self.step_time = measure_step_time(base, shards[0], self.inner)
+        self.settings = self._resolve_auto(base)
+        self.workers = []
+        for shard in shards:
+            model = copy.deepcopy(base)
+            strategy = make_strategy(model, self.settings, self.inner.decay_between)
+            self.workers.append(Worker(InnerTrainer(model, self.inner), shard, strategy))
+        self.eval_model = copy.deepcopy(base)
+        self.link = Link(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6)
+        self.clock = 0.0
+        self.stall = 0.0
+        self.bytes_sent = 0
+        self.pending: dict[int, PendingResult] = {}
+
+    def _resolve_auto(self, model: nn.Module) -> Any:
+        """Turn --overlap auto / --transmissions auto into numbers from step time and link speed."""
+        cfg = self.cfg
+        if AUTO not in (cfg.overlap, cfg.transmissions):
+            return cfg.algo_settings()
+        probe = make_strategy(copy.deepcopy(model), cfg.algo_settings(overlap=0, transmissions=1))
+        sizes = [f.numel for f in probe.fragments] if isinstance(probe, Strategy) else [self.num_params]
+        link = Link(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6)
+        times = [link.transfer_time(allreduce_wire_bytes(self.codec, n, cfg.workers)) for n in sizes]
+        assert self.step_time is not None
+        overlap = transmissions = None
+        if cfg.overlap == AUTO:
+            overlap = math.ceil(max(times) / self.step_time - 1e-9)
+            if overlap >= cfg.inner_steps:
+                raise UserError(
+                    f"--overlap auto: a fragment transfer takes {max(times):.2f} s = {overlap} inner "
+                    f"steps, not less than --inner-steps {cfg.inner_steps}; raise --inner-steps, "
+                    "--fragments or --bandwidth-mbps, or pick a smaller --codec"
+                )
+        if cfg.transmissions == AUTO:
+            mean_time = sum(times) / len(times)
+            transmissions = min(cfg.inner_steps, max(1, math.floor(cfg.inner_steps * self.step_time / mean_time)))
+        return cfg.algo_settings(overlap=overlap, transmissions=transmissions)
+
+    # ---- the run ----
+
+    def run(self, log: RunLog, progress: Callable[[int, dict[str, float]], None] | None = None) -> dict:
+        cfg = self.cfg
+        train_losses: list[float] = []
+        self._evaluate(0, log, train_losses)
+        for step in range(1, cfg.steps + 1):
+            started = time.perf_counter()
+            train_losses.append(self._inner_step(step))
+            compute = time.perf_counter() - started
+            self.clock += self.step_time if self.step_time is not None else compute / cfg.workers
+            if isinstance(self.workers[0].strategy, Strategy):
+                self._apply_due(step)
+                self._send(step)
+                self._apply_due(step)
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                record = self._evaluate(step, log, train_losses)
+                if progress is not None:
+                    progress(step, record)
+            elif progress is not None:
+                progress(step, {})
+        final_state = self.global_state()
+        summary = {
+            "kind": "summary",
+            "algo": cfg.algo,
+            "steps": cfg.steps,
+            "final_val_loss": self.last_eval["val_loss"],
+            "final_val_ppl": self.last_eval["val_ppl"],
+            "initial_val_ppl": self.first_eval["val_ppl"],
+            "bytes_sent": self.bytes_sent,
+            "stall_s": self.stall,
+            "sim_time_s": self.clock,
+            "step_time_s": self.step_time,
+            "overlap": self.settings.overlap,
+            "transmissions": self.settings.transmissions,
+            "num_params": self.num_params,
+            "global_params_sha256": params_sha256(final_state),
+            "config": asdict(cfg),
+        }
+        log.write(summary)
+        return summary
+
+    def _inner_step(self, step: int) -> float:
+        """One inner step on every replica (DDP: with the gradient all-reduce between)."""
+        losses = [w.trainer.backward(*w.shard.batch(step - 1)) for w in self.workers]
+        strategies = [w.strategy for w in self.workers]
+        if isinstance(strategies[0], DataParallel):
+            grads = [s.gradient_payload() for s in strategies]  # type: ignore[union-attr]
+            averaged = allreduce(grads, self.codec)
+            wire = allreduce_wire_bytes(self.codec, averaged.numel(), len(grads))
+            for s in strategies:
+                s.apply_gradients(averaged)  # type: ignore[union-attr]
+            self._transfer_and_wait(wire)
+        for w in self.workers:
+            w.trainer.update(step)
+        return sum(losses) / len(losses)
+
+    def _transfer_and_wait(self, wire: int) -> None:
+        arrives = self.link.send(self.clock, wire)
+        self.bytes_sent += wire
+        self._wait_until(arrives)
+
+    def _wait_until(self, t: float) -> None:
+        if t > self.clock:
+            self.stall += t - self.clock
+            self.clock = t
+
+    def _agreed(self, choices: list[list[int]], what: str) -> list[int]:
+        if any(c != choices[0] for c in choices):
+            raise RuntimeError(f"replicas disagree on the fragments {what}: {choices}")
+        return choices[0]
+
+    def _send(self, step: int) -> None:
+        strategies: list[Strategy] = [w.strategy for w in self.workers]  # type: ignore[misc]
+        for p in self._agreed([s.sends_after(step) for s in strategies], f"to send at step {step}"):
+            averaged = allreduce([s.payload(p, step) for s in strategies], self.codec)
+            wire = allreduce_wire_bytes(self.codec, averaged.numel(), len(strategies))
+            self.bytes_sent += wire
+            self.pending[p] = PendingResult(averaged, self.link.send(self.clock, wire))
+
+    def _apply_due(self, step: int) -> None:
+        strategies: list[Strategy] = [w.strategy for w in self.workers]  # type: ignore[misc]
+        for p in self._agreed([s.due(step) for s in strategies], f"due at step {step}"):
+            result = self.pending.pop(p)
+            self._wait_until(result.arrives_at)
+            for s in strategies:
+                s.apply(p, result.averaged, step)
+
+    # ---- evaluation ----
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """θ̄ of replica 0 (every replica holds the same θ̄; tests check it)."""
+        return self.workers[0].strategy.global_state()
+
+    def _evaluate(self, step: int, log: RunLog, train_losses: list[float]) -> dict[str, Any]:
+        self.eval_model.load_state_dict(self.global_state())
+        loss = evaluate(self.eval_model, self.val_batches)
+        record = {
+            "kind": "eval",
+            "step": step,
+            "sim_time_s": self.clock,
+            "val_loss": loss,
+            "val_ppl": perplexity(loss),
+            "train_loss": sum(train_losses) / len(train_losses) if train_losses else None,
+            "bytes_sent": self.bytes_sent,
+            "stall_s": self.stall,
+            "tokens": step * self.cfg.workers * self.cfg.batch_size * self.cfg.seq_len,
+        }
+        train_losses.clear()
+        log.write(record)
+        if step == 0:
+            self.first_eval = record
+        self.last_eval = record
+        return record
+
+
+def measure_step_time(model: nn.Module, shard: Shard, inner: Any, repeats: int = 3) -> float:
+    """Median seconds of one inner step, timed on a throwaway copy so training state is untouched."""
+    trainer = InnerTrainer(copy.deepcopy(model), inner)
+    trainer.step(*shard.batch(0), 1)  # warm-up: allocations, kernels
+    times = []
+    for i in range(repeats):
+        started = time.perf_counter()
+        trainer.step(*shard.batch(i + 1), 1)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,257 @@
+"""Codec wire formats: sizes, per-element error bounds, determinism, and hostile payloads."""
+
+import struct
+
+import pytest
+import torch
+
+from p2p_cocodc.codecs import CODECS, Codec, decode_mean, get_codec
+from p2p_cocodc.errors import UserError
+
+SIZES = [0, 1, 63, 64, 65, 255, 256, 257, 10_000]
+ALL = sorted(CODECS)
+
+
+def randn(n: int, seed: int = 0) -> torch.Tensor:
+    """Outer-gradient-like values with a spread of magnitudes across blocks."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4) * 1e-2
+
+
+def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per-element absmax of its block, computed independently of the codec."""
+    nb = -(-x.numel() // block)
+    padded = torch.zeros(nb * block)
+    padded[: x.numel()] = x.abs()
+    return padded.view(nb, block).amax(1).repeat_interleave(block)[: x.numel()]
+
+
+def roundtrip(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+    return codec.decode(codec.encode(x), x.numel())
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("n", SIZES)
+def test_wire_bytes_matches_encode_and_roundtrip_is_stable(name: str, n: int) -> None:
+    codec = get_codec(name)
+    x = randn(n, seed=n)
+    payload = codec.encode(x)
+    assert isinstance(payload, bytes)
+    assert len(payload) == codec.wire_bytes(n)
+    y = codec.decode(payload, n)
+    assert y.dtype == torch.float32 and y.shape == (n,)
+    # Decoded values sit on the codec's grid: a second round trip reproduces the same bits.
+    z = roundtrip(codec, y)
+    assert torch.equal(z.view(torch.int32), y.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_decode_returns_new_writable_memory_and_accepts_strided_input(name: str) -> None:
+    codec = get_codec(name)
+    base = randn(3000)
+    x = base[::3]
+    assert not x.is_contiguous()
+    payload = codec.encode(x)
+    assert payload == codec.encode(x.contiguous())
+    y = codec.decode(payload, x.numel())
+    y += 1.0  # would raise on a read-only buffer
+    assert torch.equal(codec.decode(payload, x.numel()) + 1.0, y)
+
+
+def test_fp32_is_exact() -> None:
+    x = randn(10_000)
+    assert torch.equal(roundtrip(CODECS["fp32"], x), x)
+
+
+def test_bf16_relative_error() -> None:
+    x = randn(10_000)
+    y = roundtrip(CODECS["bf16"], x)
+    assert torch.all((y - x).abs() <= x.abs() * 2.0**-8)
+    assert torch.equal(y, x.to(torch.bfloat16).float())
+
+
+def test_int8_error_at_most_half_step() -> None:
+    x = randn(10_000)
+    y = roundtrip(CODECS["int8"], x)
+    half_step = block_absmax(x, 256) / 254
+    # Tiny slack for the float rounding of x/s and q*s themselves.
+    assert torch.all((y - x).abs() <= half_step * (1 + 1e-5))
+    assert torch.all(torch.sign(y) * torch.sign(x) >= 0)
+    # The block maximum is reproduced (code ±127).
+    assert torch.allclose(block_absmax(y, 256), block_absmax(x, 256), rtol=1e-6, atol=0)
+
+
+def test_int8_all_zero_block_decodes_to_zero() -> None:
+    x = torch.cat([torch.zeros(256), randn(100)])
+    y = roundtrip(CODECS["int8"], x)
+    assert torch.equal(y[:256], torch.zeros(256))
+    assert y[256:].abs().sum() > 0
+
+
+def test_fp4_levels_error_and_signs() -> None:
+    x = randn(10_000)
+    x[5] = 0.0
+    y = roundtrip(CODECS["fp4"], x)
+    s = block_absmax(x, 64)
+    ratio = y.abs() / s
+    levels = torch.tensor([2.0**-e for e in range(7)] + [0.0])
+    assert torch.all(torch.isclose(ratio[:, None], levels[None, :], rtol=1e-6, atol=0).any(1))
+    big = x.abs() >= s * 2.0**-6
+    rel = y[big].abs() / x[big].abs()
+    slack = 1 + 1e-6
+    assert torch.all((rel <= 2.0**0.5 * slack) & (rel >= 2.0**-0.5 / slack))
+    tiny = x.abs() < s * 2.0**-6.5
+    assert tiny.sum() > 100  # the test data actually exercises the zero cut-off
+    assert torch.all(y[tiny] == 0)
+    nonzero = y != 0
+    assert torch.all(torch.sign(y[nonzero]) == torch.sign(x[nonzero]))
+    assert y[5] == 0
+
+
+def test_fp4_nibble_layout() -> None:
+    # One block: scale 1, values 1 (e=0), -0.5 (sign, e=1), 0 (zero code 7), pad nibble 7.
+    payload = CODECS["fp4"].encode(torch.tensor([1.0, -0.5, 0.0]))
+    assert payload == struct.pack("<f", 1.0) + bytes([0x9 << 4 | 0x0, 0x7 << 4 | 0x7])
+
+
+def test_int8_layout() -> None:
+    payload = CODECS["int8"].encode(torch.tensor([127.0, -63.6, 0.0]))
+    assert payload == struct.pack("<f", 1.0) + struct.pack("<3b", 127, -64, 0)
+
+
+@pytest.mark.parametrize(("name", "ratio"), [("bf16", 2.0), ("int8", 3.94), ("fp4", 7.11)])
+def test_compression_ratio(name: str, ratio: float) -> None:
+    n = 10**6
+    got = CODECS["fp32"].wire_bytes(n) / len(CODECS[name].encode(randn(n)))
+    assert got == pytest.approx(ratio, abs=0.01)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_decode_mean_is_fp32_mean_and_deterministic(name: str) -> None:
+    codec = get_codec(name)
+    n = 5000
+    payloads = [codec.encode(randn(n, seed=s)) for s in range(4)]
+    mean = decode_mean(payloads, codec, n)
+    again = decode_mean(payloads, codec, n)
+    assert torch.equal(mean.view(torch.int32), again.view(torch.int32))
+    decoded = [codec.decode(p, n) for p in payloads]
+    # The contract: fp32 sums in payload order, then one division (bitwise reproducible).
+    expected = ((decoded[0] + decoded[1]) + decoded[2] + decoded[3]) / 4
+    assert torch.equal(mean, expected)
+    exact = torch.stack(decoded).double().mean(0)
+    assert (mean.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+
+
+def test_decode_mean_fp32_matches_torch_mean() -> None:
+    xs = [randn(5000, seed=s) for s in range(3)]
+    codec = CODECS["fp32"]
+    mean = decode_mean([codec.encode(x) for x in xs], codec, 5000)
+    assert (mean - torch.stack(xs).mean(0)).abs().max() <= 1e-7
+
+
+def test_decode_mean_needs_payloads() -> None:
+    with pytest.raises(UserError, match="at least one payload"):
+        decode_mean([], CODECS["fp32"], 10)
+
+
+# --- hostile or broken input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_wrong_length_rejected(name: str) -> None:
+    codec = get_codec(name)
+    payload = codec.encode(randn(100))
+    expected = codec.wire_bytes(100)
+    with pytest.raises(UserError, match=f"must be {expected} bytes, got {expected - 1}"):
+        codec.decode(payload[:-1], 100)  # truncated
+    with pytest.raises(UserError, match=f"got {expected + 1} bytes"):
+        codec.decode(payload + b"\0", 100)
+    with pytest.raises(UserError, match="must be"):
+        codec.decode(payload, 101)
+    with pytest.raises(UserError, match="must be 0 bytes"):
+        codec.decode(b"\0", 0)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_huge_claimed_numel_rejected_before_allocating(name: str) -> None:
+    codec = get_codec(name)
+    with pytest.raises(UserError, match=f"payload for {10**15} values must be"):
+        codec.decode(b"\0" * 64, 10**15)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("numel", [-1, 1.5, True, "3"])
+def test_bad_numel_rejected(name: str, numel: object) -> None:
+    with pytest.raises(UserError, match="numel must be a non-negative int"):
+        get_codec(name).decode(b"", numel)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_payload_type_checked(name: str) -> None:
+    with pytest.raises(UserError, match="payload must be bytes, got str"):
+        get_codec(name).decode("abcd", 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_fp32_non_finite_payload_rejected(bad: float) -> None:
+    payload = struct.pack("<3f", 1.0, bad, 2.0)
+    with pytest.raises(UserError, match="NaN or Inf"):
+        CODECS["fp32"].decode(payload, 3)
+
+
+def test_bf16_non_finite_payload_rejected() -> None:
+    payload = bytes([0xC0, 0x7F, 0x80, 0x3F])  # bf16 NaN, 1.0
+    with pytest.raises(UserError, match="NaN or Inf"):
+        CODECS["bf16"].decode(payload, 2)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp4"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
+def test_bad_scale_rejected(name: str, scale: float) -> None:
+    codec = get_codec(name)
+    payload = bytearray(codec.encode(randn(300)))
+    payload[4:8] = struct.pack("<f", scale)  # block 1
+    with pytest.raises(UserError, match="block 1 has invalid scale"):
+        codec.decode(bytes(payload), 300)
+
+
+def test_int8_code_minus_128_rejected() -> None:
+    payload = struct.pack("<f", 1.0) + struct.pack("<2b", 3, -128)
+    with pytest.raises(UserError, match="-128"):
+        CODECS["int8"].decode(payload, 2)
+
+
+def test_int8_overflowing_scale_rejected() -> None:
+    payload = struct.pack("<f", 3e38) + struct.pack("<b", 127)
+    with pytest.raises(UserError, match="NaN or Inf"):
+        CODECS["int8"].decode(payload, 1)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_encode_rejects_non_finite(name: str, bad: float) -> None:
+    x = randn(100)
+    x[42] = bad
+    with pytest.raises(UserError, match="NaN or Inf"):
+        get_codec(name).encode(x)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_encode_rejects_bad_shape_and_dtype(name: str) -> None:
+    codec = get_codec(name)
+    with pytest.raises(UserError, match="1-D float tensor, got 2-D"):
+        codec.encode(torch.zeros(4, 4))
+    with pytest.raises(UserError, match="1-D float tensor, got 1-D torch.int64"):
+        codec.encode(torch.arange(4))
+    with pytest.raises(UserError, match="expects a torch.Tensor"):
+        codec.encode([1.0, 2.0])  # type: ignore[arg-type]
+
+
+def test_bf16_encode_rejects_overflow() -> None:
+    with pytest.raises(UserError, match="bfloat16 range"):
+        CODECS["bf16"].encode(torch.tensor([3.4e38]))
+
+
+def test_unknown_codec_lists_valid_names() -> None:
+    with pytest.raises(UserError, match="unknown codec 'fp8'; valid codecs: fp32, bf16, int8, fp4"):
+        get_codec("fp8")
