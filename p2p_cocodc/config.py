@@ -57,7 +57,7 @@ class TrainConfig:
     weight_decay: float = _opt(0.1, "inner AdamW weight decay")
     grad_clip: float = _opt(1.0, "inner gradient-norm clip (0 = off)")
     # model and data
-    model: str = _opt("tiny", "model preset (nano, tiny, small, base) or module:factory")
+    model: str = _opt("tiny", "model preset (nano, micro, tiny, small, base) or module:factory")
     data: str | None = _opt(None, "UTF-8 text file or folder of .txt files (default: embedded corpus)")
     tokenizer: str = _opt("bpe4096", "tokenizer", TOKENIZERS)
     seq_len: int = _opt(128, "tokens per training sequence")

@@ -30,7 +30,8 @@ class GPTConfig:
 
 # (n_layer, n_embd, n_head); parameter counts are for the 4096-token BPE vocabulary.
 PRESETS: dict[str, tuple[int, int, int]] = {
-    "nano": (2, 64, 2),  # ~0.3 M, for fast tests
+    "nano": (2, 64, 2),  # ~0.4 M, for fast tests
+    "micro": (4, 64, 4),  # ~0.5 M, for benchmarks with many runs
     "tiny": (4, 128, 4),  # ~1.3 M
     "small": (4, 256, 4),  # ~4.2 M
     "base": (8, 384, 6),  # ~15.7 M

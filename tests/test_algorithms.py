@@ -1,0 +1,257 @@
+"""Invariants of the algorithm core that catch the classic sign, merge and schedule bugs."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_per_tensor
+from p2p_cocodc.algorithms.fragments import assign_units, make_fragments
+from p2p_cocodc.algorithms.inner import InnerTrainer
+from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
+from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule
+from p2p_cocodc.algorithms.strategies import Strategy
+from p2p_cocodc.config import TrainConfig
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.metrics import RunLog, params_sha256
+from p2p_cocodc.model import build_model
+from p2p_cocodc.sim import Simulation
+
+SMALL = TrainConfig(
+    model="nano", tokenizer="byte", seq_len=32, batch_size=4, workers=2, steps=32, inner_steps=8,
+    fragments=4, overlap=2, eval_every=16, eval_batches=2, step_time=0.05, lr=3e-3, warmup=4,
+)
+
+
+def simulate(cfg: TrainConfig, **kwargs) -> tuple[Simulation, dict]:
+    sim = Simulation(replace(cfg, **kwargs).validate())
+    return sim, sim.run(RunLog(None))
+
+
+# ---- outer optimizer ----
+
+
+def test_outer_step_with_lr_one_and_no_momentum_is_parameter_averaging() -> None:
+    torch.manual_seed(0)
+    global_params = torch.randn(100)
+    replicas = [global_params + 0.1 * torch.randn(100) for _ in range(3)]
+    opt = OuterOptimizer(global_params, OuterSettings(lr=1.0, momentum=0.0))
+    delta = torch.stack([global_params - r for r in replicas]).mean(0)
+    new = opt.step(delta)
+    torch.testing.assert_close(new, torch.stack(replicas).mean(0), atol=1e-6, rtol=0)
+
+
+def test_outer_nesterov_matches_torch_sgd() -> None:
+    torch.manual_seed(0)
+    start = torch.randn(50)
+    ours = OuterOptimizer(start, OuterSettings(lr=0.7, momentum=0.9))
+    param = torch.nn.Parameter(start.clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(5):
+        grad = torch.randn(50)
+        ours.step(grad)
+        param.grad = grad.clone()
+        sgd.step()
+    torch.testing.assert_close(ours.global_params, param.detach(), atol=1e-6, rtol=0)
+
+
+def test_outer_momentum_clip_bounds_the_buffer() -> None:
+    opt = OuterOptimizer(torch.zeros(4), OuterSettings(lr=1.0, momentum=0.9, momentum_clip=0.5))
+    opt.step(torch.tensor([10.0, -10.0, 0.1, 0.0]))
+    assert opt.momentum.abs().max() <= 0.5
+    assert opt.momentum[2] == pytest.approx(0.1)
+
+
+# ---- fragments ----
+
+
+def test_strided_and_sequential_assignment() -> None:
+    assert assign_units(6, 4, "strided") == [[0, 4], [1, 5], [2], [3]]
+    assert assign_units(6, 3, "sequential") == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(UserError, match="--fragments 7 must be between 1 and the model's 6 units"):
+        assign_units(6, 7, "strided")
+
+
+def test_fragments_cover_every_parameter_once() -> None:
+    model = build_model("tiny", 256, 32)
+    fragments = make_fragments(model, 4, "strided")
+    names = [n for f in fragments for n in f.names]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    flat = fragments[1].read()
+    fragments[1].write(flat + 1.0)
+    torch.testing.assert_close(fragments[1].read(), flat + 1.0)
+
+
+# ---- compensation ----
+
+
+def _tensors(seed: int, shapes=((8, 4), (16,))) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def test_taylor_correction_has_norm_lambda0_times_local_progress() -> None:
+    z, snap, now = _tensors(1), _tensors(2), _tensors(3)
+    for lam0 in (0.0, 0.2, 1.0):
+        out = compensate_per_tensor(z, snap, now, lam0)
+        for z_i, s_i, n_i, o_i in zip(z, snap, now, out, strict=True):
+            g = s_i - n_i
+            correction = z_i - g - o_i  # = λ·g⊙g⊙D
+            assert float(correction.norm()) == pytest.approx(lam0 * float(g.norm()), rel=1e-4)
+            if lam0 > 0:
+                direction = g * g * (z_i - s_i)
+                cos = torch.nn.functional.cosine_similarity(correction.flatten(), direction.flatten(), 0)
+                assert float(cos) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_taylor_with_zero_lambda_reapplies_local_progress_and_zero_overlap_gives_z() -> None:
+    z, snap, now = _tensors(1), _tensors(2), _tensors(3)
+    for out, z_i, s_i, n_i in zip(compensate_per_tensor(z, snap, now, 0.0), z, snap, now, strict=True):
+        torch.testing.assert_close(out, z_i + (n_i - s_i))
+    for out, z_i in zip(compensate_per_tensor(z, snap, snap, 0.7), z, strict=True):
+        assert torch.equal(out, z_i)
+
+
+def test_per_step_rule_caps_lambda_and_debiases_weight_decay() -> None:
+    z, snap, now = _tensors(1), _tensors(2), _tensors(3)
+    capped = compensate_per_step(z, snap, now, lam0=1e6, steps=4, lam_max=2.0)
+    for out, z_i, s_i, n_i in zip(capped, z, snap, now, strict=True):
+        u = (s_i - n_i) / 4
+        torch.testing.assert_close(out, z_i - 4 * (u + 2.0 * u * u * (z_i - s_i)))
+    # λ0 = 0 with decay ρ: θ = now + ρ·(z − snap), weight decay applied to the displacement too.
+    for out, z_i, s_i, n_i in zip(compensate_per_step(z, snap, now, 0.0, 4, decay=0.9), z, snap, now,
+                                  strict=True):
+        torch.testing.assert_close(out, n_i + 0.9 * (z_i - s_i))
+
+
+# ---- schedules ----
+
+
+def test_fixed_schedule_sends_each_fragment_every_h_steps() -> None:
+    schedule = FixedSchedule(inner_steps=12, num_fragments=4)
+    sends = {p: [t for t in range(1, 61) if schedule.select(t, ()) == [p]] for p in range(4)}
+    assert sends[0] == [3, 15, 27, 39, 51]
+    assert sends[3] == [12, 24, 36, 48, 60]
+    assert schedule.select(15, in_flight={0}) == []
+
+
+def test_adaptive_schedule_bounds_staleness_and_never_resends_in_flight() -> None:
+    H, K, N, tau = 24, 4, 8, 6
+    schedule = AdaptiveSchedule(H, K, N)
+    gen = torch.Generator().manual_seed(0)
+    in_flight: dict[int, int] = {}
+    last_sync = [0] * K
+    order = []
+    for t in range(1, 400):
+        for p in [p for p, due in in_flight.items() if due <= t]:
+            del in_flight[p]
+            schedule.record_result(p, torch.randn(10, generator=gen) * (p + 1))
+        for p in schedule.select(t, in_flight.keys()):
+            assert p not in in_flight
+            in_flight[p] = t + tau
+            schedule.record_send(p, t)
+            assert t - last_sync[p] <= H + H // N, f"fragment {p} went {t - last_sync[p]} steps unsent"
+            last_sync[p] = t
+            order.append(p)
+    assert order[:K] == list(range(K))  # never-sent fragments first
+    counts = [order.count(p) for p in range(K)]
+    assert counts[3] > counts[0]  # the fastest-drifting fragment is sent most often
+
+
+def test_adaptive_schedule_picks_highest_drift() -> None:
+    schedule = AdaptiveSchedule(inner_steps=100, num_fragments=3, transmissions=50)
+    # drift = rms(last Δ) · steps since send / last interval: [1·8/2, 5·6/4, 10·4/6] = [4, 7.5, 6.7]
+    for p in range(3):
+        schedule.record_send(p, 2 * (p + 1))
+        schedule.record_result(p, torch.full((4,), [1.0, 5.0, 10.0][p]))
+    assert schedule.select(10, ()) == [1]
+    assert schedule.select(10, {1}) == [2]
+    assert schedule.select(10, {1, 2}) == [0]
+    assert schedule.select(11, ()) == []  # not a send slot (one slot every ⌊100/50⌋ = 2 steps)
+
+
+# ---- whole-run equivalences (the simulator drives the real strategies) ----
+
+
+def test_single_worker_diloco_with_plain_outer_step_equals_adamw() -> None:
+    cfg = replace(SMALL, workers=1, algo="diloco", overlap=0, outer_lr=1.0, outer_momentum=0.0)
+    sim = Simulation(cfg.validate())
+    reference_model = copy.deepcopy(sim.workers[0].trainer.model)
+    initial = copy.deepcopy(reference_model.state_dict())
+    reference = InnerTrainer(reference_model, sim.inner)
+    sim.run(RunLog(None))
+    for step in range(1, cfg.steps + 1):
+        reference.step(*sim.workers[0].shard.batch(step - 1), step)
+    final = sim.global_state()
+    for name, value in final.items():
+        torch.testing.assert_close(value, reference_model.state_dict()[name], atol=1e-5, rtol=0)
+    assert max(float((final[k] - v).abs().max()) for k, v in initial.items()) > 1e-2
+
+
+def test_streaming_with_one_fragment_and_no_overlap_equals_diloco() -> None:
+    _, diloco = simulate(SMALL, algo="diloco", overlap=0)
+    _, streaming = simulate(SMALL, algo="streaming", fragments=1, overlap=0, alpha=0.0)
+    _, streaming_merge = simulate(SMALL, algo="streaming", fragments=1, overlap=0, alpha=0.5)
+    assert streaming["global_params_sha256"] == diloco["global_params_sha256"]
+    assert streaming_merge["global_params_sha256"] != diloco["global_params_sha256"]
+
+
+def test_cocodc_without_overlap_equals_streaming_without_merge() -> None:
+    _, cocodc = simulate(SMALL, algo="cocodc", overlap=0, dc_lambda=0.5)
+    _, streaming = simulate(SMALL, algo="streaming", overlap=0, alpha=0.0)
+    assert cocodc["global_params_sha256"] == streaming["global_params_sha256"]
+    _, overlapped = simulate(SMALL, algo="cocodc", overlap=2, dc_lambda=0.5)
+    assert overlapped["global_params_sha256"] != streaming["global_params_sha256"]
+
+
+@pytest.mark.parametrize("algo,codec", [("streaming", "int8"), ("cocodc", "fp4"), ("diloco", "bf16")])
+def test_every_worker_holds_identical_global_params_after_every_sync(algo: str, codec: str) -> None:
+    cfg = replace(SMALL, algo=algo, codec=codec, workers=3, steps=30, overlap=0 if algo == "diloco" else 3,
+                  transmissions=8)
+    sim = Simulation(cfg.validate())
+    checked = []
+
+    def check(step: int, record: dict) -> None:
+        hashes = {params_sha256(w.strategy.global_state()) for w in sim.workers}
+        assert len(hashes) == 1, f"θ̄ differs across workers after step {step}"
+        checked.append(step)
+
+    summary = sim.run(RunLog(None), progress=check)
+    assert len(checked) == cfg.steps
+    assert summary["final_val_ppl"] < 0.8 * summary["initial_val_ppl"]
+    local = [params_sha256(w.trainer.model.state_dict()) for w in sim.workers]
+    assert len(set(local)) == 3  # replicas themselves differ: each trained on its own shard
+
+
+def test_ddp_replicas_stay_identical_and_learn() -> None:
+    sim, summary = simulate(SMALL, algo="ddp", workers=2)
+    states = [w.trainer.model.state_dict() for w in sim.workers]
+    assert params_sha256(states[0]) == params_sha256(states[1])
+    assert summary["final_val_ppl"] < 0.8 * summary["initial_val_ppl"]
+
+
+def test_blocking_diloco_stalls_and_overlap_hides_the_transfer() -> None:
+    slow = dict(latency_ms=50.0, bandwidth_mbps=5.0, step_time=0.05)
+    _, diloco = simulate(SMALL, algo="diloco", overlap=0, **slow)
+    _, streaming = simulate(SMALL, algo="streaming", overlap="auto", **slow)
+    assert diloco["stall_s"] > 0.5
+    assert streaming["stall_s"] < 0.1 * diloco["stall_s"]
+    assert streaming["overlap"] >= 1
+    assert streaming["sim_time_s"] < diloco["sim_time_s"]
+
+
+def test_auto_overlap_too_slow_link_is_a_clear_error() -> None:
+    with pytest.raises(UserError, match="--overlap auto: a fragment transfer takes"):
+        Simulation(replace(SMALL, algo="streaming", overlap="auto", bandwidth_mbps=0.01).validate())
+
+
+def test_strategy_refuses_resending_a_fragment_in_flight() -> None:
+    sim = Simulation(replace(SMALL, algo="cocodc").validate())
+    strategy = sim.workers[0].strategy
+    assert isinstance(strategy, Strategy)
+    strategy.payload(0, 1)
+    with pytest.raises(RuntimeError, match="already in flight"):
+        strategy.payload(0, 2)
