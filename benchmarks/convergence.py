@@ -28,9 +28,20 @@ from p2p_cocodc.compare import crossing, load_run
 ROOT = Path(__file__).resolve().parent.parent
 H, K = 48, 4
 COMMON = {
-    "model": "micro", "workers": 4, "inner-steps": H, "fragments": K, "steps": 480,
-    "eval-every": 24, "eval-batches": 8, "lr": 2e-3, "warmup": 48, "step-time": 0.1,
-    "latency-ms": 100, "bandwidth-mbps": 10, "threads": 1, "codec": "fp32",
+    "model": "micro",
+    "workers": 4,
+    "inner-steps": H,
+    "fragments": K,
+    "steps": 480,
+    "eval-every": 24,
+    "eval-batches": 8,
+    "lr": 2e-3,
+    "warmup": 48,
+    "step-time": 0.1,
+    "latency-ms": 100,
+    "bandwidth-mbps": 10,
+    "threads": 1,
+    "codec": "fp32",
 }
 OUTER_LRS = (0.4, 0.7)
 LAMBDAS = (0.2, 0.5, 1.0)
@@ -70,18 +81,28 @@ def final_ppl(path: Path) -> float:
 
 def tune(runs_dir: Path, jobs: int) -> dict:
     """Seed 0, on the validation split: outer lr per method (τ = 24 for the overlapping ones), then λ0."""
-    methods = {"diloco": {"algo": "diloco", "overlap": 0},
-               "streaming": {"algo": "streaming", "overlap": 24, "alpha": 0.5},
-               "cocodc": {"algo": "cocodc", "overlap": 24, "dc-lambda": 0.5}}
+    methods = {
+        "diloco": {"algo": "diloco", "overlap": 0},
+        "streaming": {"algo": "streaming", "overlap": 24, "alpha": 0.5},
+        "cocodc": {"algo": "cocodc", "overlap": 24, "dc-lambda": 0.5},
+    }
     configs = [{**m, "outer-lr": lr, "seed": 0} for m in methods.values() for lr in OUTER_LRS]
-    results = dict(zip([run_name(c) for c in configs], map(final_ppl, run_all(configs, runs_dir, jobs))))
-    best_lr = {name: min(OUTER_LRS, key=lambda lr: results[run_name({**m, "outer-lr": lr, "seed": 0})])
-               for name, m in methods.items()}
-    lam_configs = [{**methods["cocodc"], "outer-lr": best_lr["cocodc"], "dc-lambda": lam, "seed": 0}
-                   for lam in LAMBDAS]
-    lam_ppl = dict(zip(LAMBDAS, map(final_ppl, run_all(lam_configs, runs_dir, jobs))))
-    chosen = {"outer_lr": best_lr, "dc_lambda": min(LAMBDAS, key=lambda lam: lam_ppl[lam]),
-              "tuning": {**results, **{f"cocodc lambda {k}": v for k, v in lam_ppl.items()}}}
+    results = dict(
+        zip([run_name(c) for c in configs], map(final_ppl, run_all(configs, runs_dir, jobs)), strict=True)
+    )
+    best_lr = {
+        name: min(OUTER_LRS, key=lambda lr: results[run_name({**m, "outer-lr": lr, "seed": 0})])
+        for name, m in methods.items()
+    }
+    lam_configs = [
+        {**methods["cocodc"], "outer-lr": best_lr["cocodc"], "dc-lambda": lam, "seed": 0} for lam in LAMBDAS
+    ]
+    lam_ppl = dict(zip(LAMBDAS, map(final_ppl, run_all(lam_configs, runs_dir, jobs)), strict=True))
+    chosen = {
+        "outer_lr": best_lr,
+        "dc_lambda": min(LAMBDAS, key=lambda lam: lam_ppl[lam]),
+        "tuning": {**results, **{f"cocodc lambda {k}": v for k, v in lam_ppl.items()}},
+    }
     (runs_dir / "tuned.json").write_text(json.dumps(chosen, indent=2))
     return chosen
 
@@ -94,30 +115,56 @@ def grid_configs(tuned: dict, seeds: list[int]) -> dict[str, list[dict]]:
         "diloco τ=0": [{"algo": "diloco", "overlap": 0, "outer-lr": lr["diloco"], "seed": s} for s in seeds],
     }
     for tau in TAUS:
-        rows[f"streaming τ={tau}"] = [{"algo": "streaming", "overlap": tau, "alpha": 0.5,
-                                       "outer-lr": lr["streaming"], "seed": s} for s in seeds]
-        rows[f"cocodc τ={tau} N=K"] = [{"algo": "cocodc", "overlap": tau, "dc-lambda": lam,
-                                        "outer-lr": lr["cocodc"], "seed": s} for s in seeds]
+        rows[f"streaming τ={tau}"] = [
+            {"algo": "streaming", "overlap": tau, "alpha": 0.5, "outer-lr": lr["streaming"], "seed": s}
+            for s in seeds
+        ]
+        rows[f"cocodc τ={tau} N=K"] = [
+            {"algo": "cocodc", "overlap": tau, "dc-lambda": lam, "outer-lr": lr["cocodc"], "seed": s}
+            for s in seeds
+        ]
     for tau in (12, 24):
-        rows[f"cocodc τ={tau} N=2K"] = [{"algo": "cocodc", "overlap": tau, "dc-lambda": lam,
-                                         "transmissions": 2 * K, "outer-lr": lr["cocodc"], "seed": s}
-                                        for s in seeds]
+        rows[f"cocodc τ={tau} N=2K"] = [
+            {
+                "algo": "cocodc",
+                "overlap": tau,
+                "dc-lambda": lam,
+                "transmissions": 2 * K,
+                "outer-lr": lr["cocodc"],
+                "seed": s,
+            }
+            for s in seeds
+        ]
     rows["cocodc τ=24 N=K per-step rule"] = [
-        {"algo": "cocodc", "overlap": 24, "dc-lambda": lam, "dc-rule": "step", "outer-lr": lr["cocodc"],
-         "seed": s} for s in seeds]
+        {
+            "algo": "cocodc",
+            "overlap": 24,
+            "dc-lambda": lam,
+            "dc-rule": "step",
+            "outer-lr": lr["cocodc"],
+            "seed": s,
+        }
+        for s in seeds
+    ]
     rows["cocodc τ=24 N=K λ0=0"] = [
         {"algo": "cocodc", "overlap": 24, "dc-lambda": 0.0, "outer-lr": lr["cocodc"], "seed": s}
-        for s in seeds]
+        for s in seeds
+    ]
     return rows
 
 
 def summarize(paths: list[Path]) -> dict:
     runs = [load_run(str(p)) for p in paths]
     ppl = [s["final_val_ppl"] for _, s in runs]
-    return {"ppl": ppl, "mean": statistics.mean(ppl), "std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-            "mb": statistics.mean(s["bytes_sent"] for _, s in runs) / 1e6,
-            "time": statistics.mean(s["sim_time_s"] for _, s in runs),
-            "stall": statistics.mean(s["stall_s"] for _, s in runs), "runs": runs}
+    return {
+        "ppl": ppl,
+        "mean": statistics.mean(ppl),
+        "std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
+        "mb": statistics.mean(s["bytes_sent"] for _, s in runs) / 1e6,
+        "time": statistics.mean(s["sim_time_s"] for _, s in runs),
+        "stall": statistics.mean(s["stall_s"] for _, s in runs),
+        "runs": runs,
+    }
 
 
 def steps_ratio(candidate: dict, reference: dict) -> float:
@@ -132,51 +179,58 @@ def steps_ratio(candidate: dict, reference: dict) -> float:
 def report(rows: dict[str, list[Path]], tuned: dict, seeds: list[int], command: str) -> str:
     stats = {label: summarize(paths) for label, paths in rows.items()}
     base = stats["diloco τ=0"]["mean"]
-    lines = ["| method | final val ppl (mean ± std) | staleness cost | MB sent / worker | "
-             "simulated time s | stalled s | steps to streaming's final ppl (same τ) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | final val ppl (mean ± std) | staleness cost | MB sent / worker | "
+        "simulated time s | stalled s | steps to streaming's final ppl (same τ) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label, st in stats.items():
         tau = next((int(t[2:]) for t in label.split() if t.startswith("τ=")), None)
         ref = stats.get(f"streaming τ={tau}")
         ratio = f"{steps_ratio(st, ref):.2f}×" if ref is not None and label.startswith("cocodc") else ""
-        lines.append(f"| {label} | {st['mean']:.3f} ± {st['std']:.3f} | {100 * (st['mean'] / base - 1):+.2f} % "
-                     f"| {st['mb']:.1f} | {st['time']:.0f} | {st['stall']:.1f} | {ratio} |")
+        lines.append(
+            f"| {label} | {st['mean']:.3f} ± {st['std']:.3f} | {100 * (st['mean'] / base - 1):+.2f} % "
+            f"| {st['mb']:.1f} | {st['time']:.0f} | {st['stall']:.1f} | {ratio} |"
+        )
     s24, c24, c24x2 = stats["streaming τ=24"], stats["cocodc τ=24 N=K"], stats["cocodc τ=24 N=2K"]
     bar_a = c24["mean"] <= s24["mean"]
     ratio_b = steps_ratio(c24x2, s24)
     plot_curves(stats, ROOT / "docs" / "convergence.png")
-    return "\n".join([
-        "# Convergence: ddp, diloco, streaming, cocodc",
-        "",
-        f"Reproduce: `{command}` (runs under `runs/convergence/`, finished runs are reused).",
-        "",
-        f"Setting: embedded State of the Union corpus, BPE-4096, `{COMMON['model']}` GPT "
-        f"({stats['ddp']['runs'][0][1]['num_params'] / 1e6:.2f} M params), M = {COMMON['workers']}, "
-        f"H = {H}, K = {K} (strided), T = {COMMON['steps']} inner steps of 8 × 128 tokens per worker, "
-        f"inner AdamW lr {COMMON['lr']}, seeds {seeds}, fp32 codec. Simulated WAN: "
-        f"{COMMON['step-time']} s per inner step, {COMMON['latency-ms']} ms latency, "
-        f"{COMMON['bandwidth-mbps']} Mbit/s. Evaluation on θ̄ every {COMMON['eval-every']} steps, "
-        f"{COMMON['eval-batches']} validation batches.",
-        "",
-        f"Tuned on seed 0, validation split: outer lr {tuned['outer_lr']} (from {list(OUTER_LRS)}), "
-        f"λ0 = {tuned['dc_lambda']} (from {list(LAMBDAS)}). Tuning runs (final val ppl): "
-        + ", ".join(f"{k}: {v:.3f}" for k, v in tuned["tuning"].items()) + ".",
-        "",
-        "Staleness cost = final ppl ÷ blocking diloco's final ppl − 1 (means over seeds).",
-        "",
-        *lines,
-        "",
-        "## The bars at τ = 24",
-        "",
-        f"- (a) equal bandwidth (N = K): cocodc {c24['mean']:.3f} vs streaming {s24['mean']:.3f} "
-        f"→ **{'met' if bar_a else 'not met'}** ({c24['mb']:.1f} vs {s24['mb']:.1f} MB per worker).",
-        f"- (b) N = 2K: cocodc reaches streaming's final perplexity in {ratio_b:.2f}× streaming's steps "
-        f"(mean over seeds; bar ≤ 0.80) → **{'met' if ratio_b <= 0.8 else 'not met'}** "
-        f"({c24x2['mb']:.1f} vs {s24['mb']:.1f} MB per worker).",
-        "",
-        "![perplexity against steps and simulated time](convergence.png)",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# Convergence: ddp, diloco, streaming, cocodc",
+            "",
+            f"Reproduce: `{command}` (runs under `runs/convergence/`, finished runs are reused).",
+            "",
+            f"Setting: embedded State of the Union corpus, BPE-4096, `{COMMON['model']}` GPT "
+            f"({stats['ddp']['runs'][0][1]['num_params'] / 1e6:.2f} M params), M = {COMMON['workers']}, "
+            f"H = {H}, K = {K} (strided), T = {COMMON['steps']} inner steps of 8 × 128 tokens per worker, "
+            f"inner AdamW lr {COMMON['lr']}, seeds {seeds}, fp32 codec. Simulated WAN: "
+            f"{COMMON['step-time']} s per inner step, {COMMON['latency-ms']} ms latency, "
+            f"{COMMON['bandwidth-mbps']} Mbit/s. Evaluation on θ̄ every {COMMON['eval-every']} steps, "
+            f"{COMMON['eval-batches']} validation batches.",
+            "",
+            f"Tuned on seed 0, validation split: outer lr {tuned['outer_lr']} (from {list(OUTER_LRS)}), "
+            f"λ0 = {tuned['dc_lambda']} (from {list(LAMBDAS)}). Tuning runs (final val ppl): "
+            + ", ".join(f"{k}: {v:.3f}" for k, v in tuned["tuning"].items())
+            + ".",
+            "",
+            "Staleness cost = final ppl ÷ blocking diloco's final ppl − 1 (means over seeds).",
+            "",
+            *lines,
+            "",
+            "## The bars at τ = 24",
+            "",
+            f"- (a) equal bandwidth (N = K): cocodc {c24['mean']:.3f} vs streaming {s24['mean']:.3f} "
+            f"→ **{'met' if bar_a else 'not met'}** ({c24['mb']:.1f} vs {s24['mb']:.1f} MB per worker).",
+            f"- (b) N = 2K: cocodc reaches streaming's final perplexity in {ratio_b:.2f}× streaming's steps "
+            f"(mean over seeds; bar ≤ 0.80) → **{'met' if ratio_b <= 0.8 else 'not met'}** "
+            f"({c24x2['mb']:.1f} vs {s24['mb']:.1f} MB per worker).",
+            "",
+            "![perplexity against steps and simulated time](convergence.png)",
+            "",
+        ]
+    )
 
 
 def plot_curves(stats: dict, path: Path) -> None:
@@ -191,8 +245,12 @@ def plot_curves(stats: dict, path: Path) -> None:
             continue
         evals = [e for e in st["runs"][0][0] if e["step"] > 0]
         steps = [e["step"] for e in evals]
-        mean_ppl = [statistics.mean(run[0][i + 1]["val_ppl"] for run in st["runs"]) for i in range(len(evals))]
-        times = [statistics.mean(run[0][i + 1]["sim_time_s"] for run in st["runs"]) for i in range(len(evals))]
+        mean_ppl = [
+            statistics.mean(run[0][i + 1]["val_ppl"] for run in st["runs"]) for i in range(len(evals))
+        ]
+        times = [
+            statistics.mean(run[0][i + 1]["sim_time_s"] for run in st["runs"]) for i in range(len(evals))
+        ]
         axes[0].plot(steps, mean_ppl, label=label)
         axes[1].plot(times, mean_ppl, label=label)
     for ax, xlabel in zip(axes, ("inner step", "simulated time (s)"), strict=True):
@@ -224,7 +282,9 @@ def main() -> None:
     rows = grid_configs(tuned, args.seeds)
     if args.stage in ("all", "grid"):
         run_all([c for configs in rows.values() for c in configs], args.runs_dir, args.jobs)
-    paths = {label: [args.runs_dir / f"{run_name(c)}.jsonl" for c in configs] for label, configs in rows.items()}
+    paths = {
+        label: [args.runs_dir / f"{run_name(c)}.jsonl" for c in configs] for label, configs in rows.items()
+    }
     command = f"python benchmarks/convergence.py --jobs {args.jobs} --seeds {' '.join(map(str, args.seeds))}"
     text = report(paths, tuned, args.seeds, command)
     (ROOT / "docs" / "convergence.md").write_text(text)

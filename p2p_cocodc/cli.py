@@ -21,8 +21,13 @@ def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
             command = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(command)
         else:
             command = click.option(flag, name, default=None, help=help_text, metavar=_metavar(f))(command)
-    return click.option("--config", "config_path", type=click.Path(), default=None,
-                        help="TOML file with the same keys; command-line values override it")(command)
+    return click.option(
+        "--config",
+        "config_path",
+        type=click.Path(),
+        default=None,
+        help="TOML file with the same keys; command-line values override it",
+    )(command)
 
 
 def _metavar(f: Any) -> str:
@@ -75,8 +80,12 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
 
 @cli.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
-@click.option("--target-ppl", type=float, default=None,
-              help="perplexity to reach (default: the worst final perplexity among the runs)")
+@click.option(
+    "--target-ppl",
+    type=float,
+    default=None,
+    help="perplexity to reach (default: the worst final perplexity among the runs)",
+)
 @click.option("--plot", "plot_path", type=click.Path(), default=None, help="write a PNG here")
 def compare(runs: tuple[str, ...], target_ppl: float | None, plot_path: str | None) -> None:
     """Compare runs: final perplexity, steps and time to a target perplexity, bytes."""

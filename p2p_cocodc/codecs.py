@@ -46,9 +46,7 @@ class Codec(ABC):
         if not isinstance(x, torch.Tensor):
             raise UserError(f"{self.name}: encode expects a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 1 or not x.is_floating_point():
-            raise UserError(
-                f"{self.name}: encode expects a 1-D float tensor, got {x.dim()}-D {x.dtype}"
-            )
+            raise UserError(f"{self.name}: encode expects a 1-D float tensor, got {x.dim()}-D {x.dtype}")
         x = x.detach().to(torch.float32)
         if not bool(torch.isfinite(x).all()):
             raise UserError(f"{self.name}: cannot encode NaN or Inf values (diverged training?)")
@@ -61,8 +59,7 @@ class Codec(ABC):
         expected = self.wire_bytes(numel)
         if len(payload) != expected:
             raise UserError(
-                f"{self.name}: payload for {numel} values must be {expected} bytes, "
-                f"got {len(payload)} bytes"
+                f"{self.name}: payload for {numel} values must be {expected} bytes, got {len(payload)} bytes"
             )
         # bytearray copy: the result must own writable memory, and bytes are read-only.
         buf = (
@@ -117,8 +114,7 @@ def _check_scales(name: str, scales: torch.Tensor) -> None:
     if bool(bad.any()):
         block = int(bad.nonzero()[0, 0])
         raise UserError(
-            f"{name}: block {block} has invalid scale {float(scales[block])} "
-            "(must be finite and >= 0)"
+            f"{name}: block {block} has invalid scale {float(scales[block])} (must be finite and >= 0)"
         )
 
 

@@ -41,8 +41,10 @@ def load_run(path: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 def compare_runs(paths: list[str], target_ppl: float | None, plot_path: str | None) -> str:
     runs = {Path(p).stem: load_run(p) for p in paths}
     target = target_ppl if target_ppl is not None else max(s["final_val_ppl"] for _, s in runs.values())
-    header = f"{'run':<28} {'algo':<10} {'final ppl':>10} {'steps→' + format(target, '.2f'):>13} " \
-             f"{'time→target s':>14} {'MB sent':>9} {'stall s':>8}"
+    header = (
+        f"{'run':<28} {'algo':<10} {'final ppl':>10} {'steps→' + format(target, '.2f'):>13} "
+        f"{'time→target s':>14} {'MB sent':>9} {'stall s':>8}"
+    )
     lines = [header, "-" * len(header)]
     for name, (evals, summary) in runs.items():
         steps = crossing(evals, target, "step")

@@ -35,16 +35,21 @@ class TrainConfig:
     inner_steps: int = _opt(48, "H: inner steps between two syncs of the same fragment")
     fragments: int = _opt(4, "K: number of fragments (units: embedding, each block, final norm)")
     pattern: str = _opt("strided", "how units map to fragments", ("strided", "sequential"))
-    overlap: int | str = _opt(12, "τ: a sync started after step t is applied after step t+τ; 'auto' = "
-                              "smallest τ that hides the transfer")
+    overlap: int | str = _opt(
+        12,
+        "τ: a sync started after step t is applied after step t+τ; 'auto' = "
+        "smallest τ that hides the transfer",
+    )
     alpha: float = _opt(0.5, "streaming merge: θ ← α·θ(now) + (1−α)·new global")
     dc_lambda: float = _opt(0.5, "λ0 of CoCoDC's Taylor delay compensation (0 = re-apply local progress)")
-    dc_rule: str = _opt("tensor", "compensation rule: per-tensor adaptive λ, or per-step with λ cap",
-                        DC_RULES)
+    dc_rule: str = _opt(
+        "tensor", "compensation rule: per-tensor adaptive λ, or per-step with λ cap", DC_RULES
+    )
     dc_lambda_max: float = _opt(10.0, "λ cap of the per-step rule")
     dc_wd_debias: bool = _opt(False, "per-step rule: take decoupled weight decay out of the local progress")
-    transmissions: int | str | None = _opt(None, "N: fragment sends per H steps for cocodc (default: K; "
-                                           "'auto' = what the link carries)")
+    transmissions: int | str | None = _opt(
+        None, "N: fragment sends per H steps for cocodc (default: K; 'auto' = what the link carries)"
+    )
     # outer optimizer
     outer_lr: float = _opt(0.7, "outer Nesterov learning rate η")
     outer_momentum: float = _opt(0.9, "outer Nesterov momentum μ")
@@ -66,8 +71,7 @@ class TrainConfig:
     # WAN model (simulator)
     latency_ms: float = _opt(100.0, "one-way link latency in milliseconds")
     bandwidth_mbps: float = _opt(50.0, "link bandwidth in megabits per second")
-    step_time: float | None = _opt(None, "seconds per inner step on the simulated clock "
-                                   "(default: measured)")
+    step_time: float | None = _opt(None, "seconds per inner step on the simulated clock (default: measured)")
     # evaluation and output
     eval_every: int = _opt(48, "evaluate θ̄ every E inner steps")
     eval_batches: int = _opt(16, "validation batches per evaluation")
@@ -76,8 +80,16 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Raise UserError naming the option to fix; return self so calls chain."""
-        positive = ["workers", "steps", "inner_steps", "fragments", "seq_len", "batch_size",
-                    "eval_every", "eval_batches"]
+        positive = [
+            "workers",
+            "steps",
+            "inner_steps",
+            "fragments",
+            "seq_len",
+            "batch_size",
+            "eval_every",
+            "eval_batches",
+        ]
         for name in positive:
             if getattr(self, name) < 1:
                 raise UserError(f"--{_dash(name)} must be ≥ 1, got {getattr(self, name)}")
@@ -96,8 +108,10 @@ class TrainConfig:
                 raise UserError(f"--{_dash(name)} must be a finite number, got {value}")
         if self.data is not None and not Path(self.data).exists():
             raise UserError(f"--data {self.data}: no such file or folder")
-        self.algo_settings(overlap=0 if self.overlap == AUTO else None,
-                           transmissions=1 if self.transmissions == AUTO else None)
+        self.algo_settings(
+            overlap=0 if self.overlap == AUTO else None,
+            transmissions=1 if self.transmissions == AUTO else None,
+        )
         return self
 
     def algo_settings(self, overlap: int | None = None, transmissions: int | None = None) -> AlgoSettings:
@@ -105,17 +119,33 @@ class TrainConfig:
         tau = self.overlap if overlap is None else overlap
         n = self.transmissions if transmissions is None else transmissions
         return AlgoSettings(
-            algo=self.algo, inner_steps=self.inner_steps, fragments=self.fragments,
-            pattern=self.pattern, overlap=int(tau), alpha=self.alpha, dc_lambda=self.dc_lambda,
-            dc_rule=self.dc_rule, dc_lambda_max=self.dc_lambda_max, dc_wd_debias=self.dc_wd_debias,
+            algo=self.algo,
+            inner_steps=self.inner_steps,
+            fragments=self.fragments,
+            pattern=self.pattern,
+            overlap=int(tau),
+            alpha=self.alpha,
+            dc_lambda=self.dc_lambda,
+            dc_rule=self.dc_rule,
+            dc_lambda_max=self.dc_lambda_max,
+            dc_wd_debias=self.dc_wd_debias,
             transmissions=self.fragments if n is None else int(n),
-            outer=OuterSettings(lr=self.outer_lr, momentum=self.outer_momentum,
-                                gap_penalty=self.gap_penalty, momentum_clip=self.momentum_clip),
+            outer=OuterSettings(
+                lr=self.outer_lr,
+                momentum=self.outer_momentum,
+                gap_penalty=self.gap_penalty,
+                momentum_clip=self.momentum_clip,
+            ),
         )
 
     def inner_settings(self) -> InnerSettings:
-        return InnerSettings(lr=self.lr, warmup=self.warmup, total_steps=self.steps,
-                             weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+        return InnerSettings(
+            lr=self.lr,
+            warmup=self.warmup,
+            total_steps=self.steps,
+            weight_decay=self.weight_decay,
+            grad_clip=self.grad_clip,
+        )
 
 
 def _dash(name: str) -> str:
@@ -173,8 +203,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in FIELDS:
-            raise UserError(f"--config {path}: unknown key {key!r}; valid keys: "
-                            f"{', '.join(_dash(n) for n in FIELDS)}")
+            raise UserError(
+                f"--config {path}: unknown key {key!r}; valid keys: {', '.join(_dash(n) for n in FIELDS)}"
+            )
         values[name] = coerce(name, value)
     return values
 

@@ -119,9 +119,7 @@ def build_model(spec: str, vocab_size: int, seq_len: int) -> nn.Module:
         n_layer, n_embd, n_head = PRESETS[spec]
         return GPT(GPTConfig(vocab_size, seq_len, n_layer, n_embd, n_head))
     if ":" not in spec:
-        raise UserError(
-            f"unknown model {spec!r}: use a preset ({', '.join(PRESETS)}) or module:factory"
-        )
+        raise UserError(f"unknown model {spec!r}: use a preset ({', '.join(PRESETS)}) or module:factory")
     module_name, _, factory_name = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)

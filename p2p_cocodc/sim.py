@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2p_cocodc.algorithms.inner import InnerTrainer, evaluate
-from p2p_cocodc.algorithms.strategies import DataParallel, Strategy, make_strategy
+from p2p_cocodc.algorithms.inner import InnerSettings, InnerTrainer, evaluate
+from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
 from p2p_cocodc.codecs import Codec, decode_mean, get_codec
 from p2p_cocodc.config import AUTO, TrainConfig
 from p2p_cocodc.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
@@ -111,7 +111,7 @@ class Simulation:
         self.bytes_sent = 0
         self.pending: dict[int, PendingResult] = {}
 
-    def _resolve_auto(self, model: nn.Module) -> Any:
+    def _resolve_auto(self, model: nn.Module) -> AlgoSettings:
         """Turn --overlap auto / --transmissions auto into numbers from step time and link speed."""
         cfg = self.cfg
         if AUTO not in (cfg.overlap, cfg.transmissions):
@@ -132,7 +132,8 @@ class Simulation:
                 )
         if cfg.transmissions == AUTO:
             mean_time = sum(times) / len(times)
-            transmissions = min(cfg.inner_steps, max(1, math.floor(cfg.inner_steps * self.step_time / mean_time)))
+            fitting = math.floor(cfg.inner_steps * self.step_time / mean_time)
+            transmissions = min(cfg.inner_steps, max(1, fitting))
         return cfg.algo_settings(overlap=overlap, transmissions=transmissions)
 
     # ---- the run ----
@@ -190,7 +191,10 @@ class Simulation:
             self._transfer_and_wait(wire)
         for w in self.workers:
             w.trainer.update(step)
-        return sum(losses) / len(losses)
+        loss = sum(losses) / len(losses)
+        if not math.isfinite(loss):
+            raise UserError(f"training diverged at step {step} (loss {loss}): lower --lr or --outer-lr")
+        return loss
 
     def _transfer_and_wait(self, wire: int) -> None:
         arrives = self.link.send(self.clock, wire)
@@ -251,7 +255,7 @@ class Simulation:
         return record
 
 
-def measure_step_time(model: nn.Module, shard: Shard, inner: Any, repeats: int = 3) -> float:
+def measure_step_time(model: nn.Module, shard: Shard, inner: InnerSettings, repeats: int = 3) -> float:
     """Median seconds of one inner step, timed on a throwaway copy so training state is untouched."""
     trainer = InnerTrainer(copy.deepcopy(model), inner)
     trainer.step(*shard.batch(0), 1)  # warm-up: allocations, kernels

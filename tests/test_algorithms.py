@@ -21,8 +21,20 @@ from p2p_cocodc.model import build_model
 from p2p_cocodc.sim import Simulation
 
 SMALL = TrainConfig(
-    model="nano", tokenizer="byte", seq_len=32, batch_size=4, workers=2, steps=32, inner_steps=8,
-    fragments=4, overlap=2, eval_every=16, eval_batches=2, step_time=0.05, lr=3e-3, warmup=4,
+    model="nano",
+    tokenizer="byte",
+    seq_len=32,
+    batch_size=4,
+    workers=2,
+    steps=32,
+    inner_steps=8,
+    fragments=4,
+    overlap=2,
+    eval_every=16,
+    eval_batches=2,
+    step_time=0.05,
+    lr=3e-3,
+    warmup=4,
 )
 
 
@@ -122,8 +134,9 @@ def test_per_step_rule_caps_lambda_and_debiases_weight_decay() -> None:
         u = (s_i - n_i) / 4
         torch.testing.assert_close(out, z_i - 4 * (u + 2.0 * u * u * (z_i - s_i)))
     # λ0 = 0 with decay ρ: θ = now + ρ·(z − snap), weight decay applied to the displacement too.
-    for out, z_i, s_i, n_i in zip(compensate_per_step(z, snap, now, 0.0, 4, decay=0.9), z, snap, now,
-                                  strict=True):
+    for out, z_i, s_i, n_i in zip(
+        compensate_per_step(z, snap, now, 0.0, 4, decay=0.9), z, snap, now, strict=True
+    ):
         torch.testing.assert_close(out, n_i + 0.9 * (z_i - s_i))
 
 
@@ -209,8 +222,15 @@ def test_cocodc_without_overlap_equals_streaming_without_merge() -> None:
 
 @pytest.mark.parametrize("algo,codec", [("streaming", "int8"), ("cocodc", "fp4"), ("diloco", "bf16")])
 def test_every_worker_holds_identical_global_params_after_every_sync(algo: str, codec: str) -> None:
-    cfg = replace(SMALL, algo=algo, codec=codec, workers=3, steps=30, overlap=0 if algo == "diloco" else 3,
-                  transmissions=8)
+    cfg = replace(
+        SMALL,
+        algo=algo,
+        codec=codec,
+        workers=3,
+        steps=30,
+        overlap=0 if algo == "diloco" else 3,
+        transmissions=8,
+    )
     sim = Simulation(cfg.validate())
     checked = []
 
@@ -255,3 +275,8 @@ def test_strategy_refuses_resending_a_fragment_in_flight() -> None:
     strategy.payload(0, 1)
     with pytest.raises(RuntimeError, match="already in flight"):
         strategy.payload(0, 2)
+
+
+def test_divergence_is_a_clear_error() -> None:
+    with pytest.raises(UserError, match="training diverged at step .*lower --lr"):
+        simulate(SMALL, algo="diloco", overlap=0, lr=1e6, warmup=0, grad_clip=0.0)

@@ -77,8 +77,7 @@ class AlgoSettings:
         o = self.outer
         if o.lr <= 0 or not 0 <= o.momentum < 1 or o.gap_penalty <= 0:
             raise UserError(
-                "outer optimizer needs --outer-lr > 0, --outer-momentum in [0, 1), "
-                "--gap-penalty > 0"
+                "outer optimizer needs --outer-lr > 0, --outer-momentum in [0, 1), --gap-penalty > 0"
             )
         if o.momentum_clip is not None and o.momentum_clip <= 0:
             raise UserError(f"--momentum-clip must be > 0, got {o.momentum_clip}")
@@ -97,7 +96,11 @@ class Strategy:
     """One replica's DiLoCo-family state: θ̄ and outer momentum per fragment, syncs in flight."""
 
     def __init__(
-        self, model: nn.Module, fragments: list[Fragment], schedule: Schedule, overlap: int,
+        self,
+        model: nn.Module,
+        fragments: list[Fragment],
+        schedule: Schedule,
+        overlap: int,
         outer: OuterSettings,
     ) -> None:
         self.model = model
