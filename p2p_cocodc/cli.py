@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from p2p_cocodc.config import AUTO, FIELDS, build_config, load_toml
+from p2p_cocodc.config import FIELDS, build_config, load_toml
 from p2p_cocodc.errors import UserError
 
 
@@ -34,7 +34,7 @@ def _metavar(f: Any) -> str:
     if f.metadata["choices"]:
         return "[" + "|".join(f.metadata["choices"]) + "]"
     kind = str(f.type).split(" |")[0].upper()
-    return kind + ("|auto" if AUTO in f.metadata["help"] else "")
+    return kind + ("|auto" if f.metadata["auto"] else "")
 
 
 def _config_from(config_path: str | None, options: dict[str, Any]) -> Any:

@@ -29,17 +29,40 @@ def time_axis(evals: list[dict[str, Any]]) -> str:
     return "sim_time_s" if "sim_time_s" in evals[0] else "wall_time_s"
 
 
+EVAL_KEYS = {"step", "val_ppl", "bytes_sent"}
+SUMMARY_KEYS = {"algo", "steps", "final_val_ppl", "bytes_sent", "stall_s"}
+
+
 def load_run(path: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The evaluations and the summary of a finished run, checked for the fields we read."""
     records = read_records(path)
     evals = [r for r in records if r["kind"] == "eval"]
     summaries = [r for r in records if r["kind"] == "summary"]
     if not evals or not summaries:
         raise UserError(f"{path} has no eval or summary records: was the run finished?")
+    for record, keys in [*((e, EVAL_KEYS) for e in evals), (summaries[-1], SUMMARY_KEYS)]:
+        missing = keys - record.keys()
+        if missing:
+            raise UserError(f"{path}: a {record['kind']} record lacks {', '.join(sorted(missing))}")
+    if not {"sim_time_s", "wall_time_s"} & evals[0].keys():
+        raise UserError(f"{path}: eval records have neither sim_time_s nor wall_time_s")
     return evals, summaries[-1]
 
 
+def run_names(paths: list[str]) -> list[str]:
+    """File stems, or the paths without suffix where two stems are the same."""
+    if len(set(paths)) != len(paths):
+        raise UserError("the same run file is given twice")
+    stems = [Path(p).stem for p in paths]
+    if len(set(stems)) == len(stems):
+        return stems
+    return [str(Path(p).with_suffix("")) for p in paths]
+
+
 def compare_runs(paths: list[str], target_ppl: float | None, plot_path: str | None) -> str:
-    runs = {Path(p).stem: load_run(p) for p in paths}
+    if target_ppl is not None and not (math.isfinite(target_ppl) and target_ppl > 0):
+        raise UserError(f"--target-ppl must be a finite number > 0, got {target_ppl}")
+    runs = {name: load_run(p) for name, p in zip(run_names(paths), paths, strict=True)}
     target = target_ppl if target_ppl is not None else max(s["final_val_ppl"] for _, s in runs.values())
     header = (
         f"{'run':<28} {'algo':<10} {'final ppl':>10} {'steps→' + format(target, '.2f'):>13} "
@@ -82,5 +105,5 @@ def plot_runs(runs: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]], path
     by_step.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)

@@ -22,8 +22,9 @@ from p2p_cocodc.errors import UserError
 AUTO = "auto"
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, auto: bool = False) -> Any:
+    """A field with its help text, allowed string values, and whether it accepts 'auto'."""
+    return field(default=default, metadata={"help": help, "choices": choices, "auto": auto})
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class TrainConfig:
         12,
         "τ: a sync started after step t is applied after step t+τ; 'auto' = "
         "smallest τ that hides the transfer",
+        auto=True,
     )
     alpha: float = _opt(0.5, "streaming merge: θ ← α·θ(now) + (1−α)·new global")
     dc_lambda: float = _opt(0.5, "λ0 of CoCoDC's Taylor delay compensation (0 = re-apply local progress)")
@@ -48,7 +50,9 @@ class TrainConfig:
     dc_lambda_max: float = _opt(10.0, "λ cap of the per-step rule")
     dc_wd_debias: bool = _opt(False, "per-step rule: take decoupled weight decay out of the local progress")
     transmissions: int | str | None = _opt(
-        None, "N: fragment sends per H steps for cocodc (default: K; 'auto' = what the link carries)"
+        None,
+        "N: fragment sends per H steps for cocodc (default: K; 'auto' = what the link carries)",
+        auto=True,
     )
     # outer optimizer
     outer_lr: float = _opt(0.7, "outer Nesterov learning rate η")
@@ -106,6 +110,11 @@ class TrainConfig:
         for name, value in asdict(self).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"--{_dash(name)} must be a finite number, got {value}")
+        if self.algo == "cocodc" and self.transmissions is None and self.fragments > self.inner_steps:
+            raise UserError(
+                f"--fragments {self.fragments} must be ≤ --inner-steps {self.inner_steps} for cocodc "
+                "(--transmissions defaults to --fragments)"
+            )
         if self.data is not None and not Path(self.data).exists():
             raise UserError(f"--data {self.data}: no such file or folder")
         self.algo_settings(
@@ -163,7 +172,7 @@ def coerce(name: str, value: Any) -> Any:
     option = f"--{_dash(name)}"
     if value is None and "None" in kind:
         return None
-    if isinstance(value, str) and value == AUTO and AUTO in f.metadata["help"]:
+    if isinstance(value, str) and value == AUTO and f.metadata["auto"]:
         return AUTO
     try:
         if kind.startswith("bool"):
@@ -183,7 +192,7 @@ def coerce(name: str, value: Any) -> Any:
                 raise ValueError
             return float(value)
     except (TypeError, ValueError):
-        expected = kind.split(" |")[0] + (" or 'auto'" if AUTO in f.metadata["help"] else "")
+        expected = kind.split(" |")[0] + (" or 'auto'" if f.metadata["auto"] else "")
         raise UserError(f"{option} must be {expected}, got {value!r}") from None
     value = str(value)
     if choices and value not in choices:
@@ -197,6 +206,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"--config {path}: no such file") from None
+    except OSError as exc:
+        raise UserError(f"--config {path}: cannot read it ({exc.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"--config {path} is not valid TOML ({exc}): fix the file") from None
     values = {}

@@ -10,6 +10,8 @@ from typing import IO, Any
 
 import torch
 
+from p2p_cocodc.errors import UserError
+
 
 def params_sha256(state: dict[str, torch.Tensor]) -> str:
     """sha256 over θ̄ as float32 little-endian bytes, in state_dict order: equal runs, equal hash."""
@@ -29,8 +31,11 @@ class RunLog:
     def __init__(self, path: str | None) -> None:
         self._file: IO[str] | None = None
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            except OSError as exc:
+                raise UserError(f"--out {path}: cannot write it ({exc.strerror})") from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -45,8 +50,6 @@ class RunLog:
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     """All records of a run file; a corrupt line is an error that names the file and line."""
-    from p2p_cocodc.errors import UserError
-
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:

@@ -1,0 +1,401 @@
+"""The ``p2p-cocodc`` command line, run for real as ``python -m p2p_cocodc`` in a subprocess.
+
+Tiny settings keep each run to a few seconds; ``--threads 1`` keeps a shared 2-core machine from
+turning torch's thread pool into a spin-wait (and makes the hashes independent of the core count).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TINY = [
+    "--model",
+    "nano",
+    "--tokenizer",
+    "byte",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--workers",
+    "2",
+    "--steps",
+    "24",
+    "--inner-steps",
+    "8",
+    "--fragments",
+    "2",
+    "--eval-every",
+    "8",
+    "--eval-batches",
+    "2",
+    "--step-time",
+    "0.05",
+    "--threads",
+    "1",
+    "--quiet",
+]
+OVERLAP = {"ddp": "0", "diloco": "0", "streaming": "2", "cocodc": "2"}
+EVAL_KEYS = {"kind", "step", "sim_time_s", "val_loss", "val_ppl", "bytes_sent", "stall_s"}
+SUMMARY_KEYS = {
+    "kind",
+    "algo",
+    "final_val_ppl",
+    "initial_val_ppl",
+    "bytes_sent",
+    "stall_s",
+    "sim_time_s",
+    "global_params_sha256",
+    "config",
+}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """One token cache for every run of this file, never ~/.cache."""
+    return {
+        **os.environ,
+        "P2P_COCODC_CACHE": str(tmp_path_factory.mktemp("cache")),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def cli(env: dict[str, str], *args: Any, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "p2p_cocodc", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def simulate(env: dict[str, str], algo: str, out: Path, *extra: Any) -> subprocess.CompletedProcess[str]:
+    return cli(env, "simulate", "--algo", algo, "--overlap", OVERLAP[algo], *TINY, "--out", out, *extra)
+
+
+def in_parallel(jobs: dict[str, list[Any]], env: dict[str, str]) -> dict[str, Any]:
+    """Run the commands two at a time (the machine has two cores); results by key."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(cli, env, *args) for key, args in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess[str], *names: str) -> str:
+    """Exit 2, no traceback, exactly one non-empty stderr line 'error: …' naming what to fix."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def runs(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One finished run per algorithm, plus a rerun of cocodc and one with another seed."""
+    folder = tmp_path_factory.mktemp("runs")
+    extra = {"again": [], "seed1": ["--seed", "1"]}
+    outs = {key: folder / f"{key}.jsonl" for key in [*OVERLAP, *extra]}
+    jobs = {
+        algo: ["simulate", "--algo", algo, "--overlap", OVERLAP[algo], *TINY, "--out", outs[algo]]
+        for algo in OVERLAP
+    }
+    jobs.update({key: [*jobs["cocodc"][:-1], outs[key], *args] for key, args in extra.items()})
+    procs = in_parallel(jobs, env)
+    return {key: (procs[key], outs[key]) for key in jobs}
+
+
+# ---- simulate, end to end ----
+
+
+@pytest.mark.parametrize("algo", list(OVERLAP))
+def test_simulate_end_to_end(runs: dict[str, Any], algo: str) -> None:
+    proc, out = runs[algo]
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"{algo}: 2 workers" in proc.stderr  # the header line
+    assert "final val ppl" in proc.stdout
+
+    recs = records(out)
+    evals, summary = recs[:-1], recs[-1]
+    assert [r["kind"] for r in evals] == ["eval"] * 4
+    assert [r["step"] for r in evals] == [0, 8, 16, 24]
+    for r in evals:
+        assert EVAL_KEYS <= r.keys(), EVAL_KEYS - r.keys()
+
+    assert summary["kind"] == "summary"
+    assert SUMMARY_KEYS <= summary.keys(), SUMMARY_KEYS - summary.keys()
+    assert summary["algo"] == algo
+    assert re.fullmatch(r"[0-9a-f]{64}", summary["global_params_sha256"])
+
+    ppl = [r["val_ppl"] for r in evals]
+    assert ppl[-1] < ppl[0], ppl
+    assert summary["final_val_ppl"] == ppl[-1]
+    assert summary["initial_val_ppl"] == ppl[0]
+
+    sent = [r["bytes_sent"] for r in evals]
+    assert sent[0] == 0
+    assert sent[-1] > 0
+    assert sent == sorted(sent), sent
+    assert summary["bytes_sent"] == sent[-1]
+    clock = [r["sim_time_s"] for r in evals]
+    assert clock == sorted(clock) and clock[-1] >= 24 * 0.05, clock
+    assert summary["stall_s"] >= 0
+
+
+def test_ddp_and_diloco_stall_for_every_transfer(runs: dict[str, Any]) -> None:
+    """Blocking algorithms wait for every transfer; overlapping ones hide part of it."""
+    summaries = {algo: records(out)[-1] for algo, (_, out) in runs.items()}
+    for algo in ("ddp", "diloco"):
+        assert summaries[algo]["stall_s"] > 0
+        assert summaries[algo]["sim_time_s"] == pytest.approx(24 * 0.05 + summaries[algo]["stall_s"])
+    for algo in ("streaming", "cocodc"):
+        assert summaries[algo]["stall_s"] < summaries["diloco"]["stall_s"]
+
+
+# ---- determinism and the parameter fingerprint ----
+
+
+def test_same_command_same_hash_other_seed_other_hash(runs: dict[str, Any]) -> None:
+    for key in ("cocodc", "again", "seed1"):
+        assert runs[key][0].returncode == 0, runs[key][0].stderr
+    first, second, reseeded = (records(runs[key][1]) for key in ("cocodc", "again", "seed1"))
+
+    assert second[-1]["global_params_sha256"] == first[-1]["global_params_sha256"]
+    assert [r["val_loss"] for r in second[:-1]] == [r["val_loss"] for r in first[:-1]]
+    assert reseeded[-1]["config"]["seed"] == 1
+    assert reseeded[-1]["global_params_sha256"] != first[-1]["global_params_sha256"]
+
+
+def test_hash_is_sha256_of_global_params_as_float32_le(runs: dict[str, Any]) -> None:
+    """Recompute the fingerprint by hand from an in-process run of the same config."""
+    import torch
+
+    from p2p_cocodc.config import build_config
+    from p2p_cocodc.metrics import RunLog
+    from p2p_cocodc.sim import Simulation
+
+    summary = records(runs["streaming"][1])[-1]
+    cfg = build_config({}, {**summary["config"], "out": None})
+    sim = Simulation(cfg)
+    assert sim.run(RunLog(None))["global_params_sha256"] == summary["global_params_sha256"]
+    state = sim.global_state()
+    assert list(state) == list(sim.eval_model.state_dict())
+    digest = hashlib.sha256()
+    for tensor in state.values():
+        digest.update(tensor.detach().to(torch.float32).numpy().astype("<f4").tobytes())
+    assert digest.hexdigest() == summary["global_params_sha256"]
+
+
+# ---- --config ----
+
+
+@pytest.fixture(scope="module")
+def config_runs(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same file with `inner-steps` and with `inner_steps`; the command line overrides two keys."""
+    folder = tmp_path_factory.mktemp("config")
+    jobs, outs = {}, {}
+    for key in ("inner-steps", "inner_steps"):
+        config = folder / f"{key}.toml"
+        config.write_text(
+            'algo = "streaming"\nmodel = "nano"\ntokenizer = "byte"\nseq-len = 32\nbatch_size = 4\n'
+            f"workers = 2\nsteps = 8\n{key} = 4\nfragments = 2\noverlap = 1\neval-every = 4\n"
+            'eval_batches = 2\nstep-time = 0.05\nthreads = 1\nseed = 5\ncodec = "bf16"\n',
+            encoding="utf-8",
+        )
+        outs[key] = folder / f"{key}.jsonl"
+        jobs[key] = [
+            "simulate",
+            "--config",
+            config,
+            "--seed",
+            "7",
+            "--codec",
+            "int8",
+            "--quiet",
+            "--out",
+            outs[key],
+        ]
+    procs = in_parallel(jobs, env)
+    return {key: (procs[key], outs[key]) for key in jobs}
+
+
+@pytest.mark.parametrize("key", ["inner-steps", "inner_steps"])
+def test_config_file_is_used_and_cli_overrides_it(config_runs: dict[str, Any], key: str) -> None:
+    proc, out = config_runs[key]
+    assert proc.returncode == 0, proc.stderr
+    recs = records(out)
+    summary = recs[-1]
+    assert summary["config"]["inner_steps"] == 4  # from the file (default is 48)
+    assert summary["config"]["algo"] == summary["algo"] == "streaming"
+    assert summary["config"]["model"] == "nano"
+    assert summary["config"]["batch_size"] == 4 and summary["config"]["seq_len"] == 32
+    assert summary["config"]["seed"] == 7  # the command line wins over the file's 5
+    assert summary["config"]["codec"] == "int8"  # and over its bf16
+    assert [r["step"] for r in recs[:-1]] == [0, 4, 8]
+
+
+# ---- compare ----
+
+
+def test_compare_table_and_plot(runs: dict[str, Any], env: dict[str, str], tmp_path: Path) -> None:
+    named = {"alpha": "diloco", "beta": "cocodc"}
+    for name, algo in named.items():
+        (tmp_path / f"{name}.jsonl").write_bytes(runs[algo][1].read_bytes())
+    plot = tmp_path / "plots" / "ppl.png"
+    proc = cli(env, "compare", tmp_path / "alpha.jsonl", tmp_path / "beta.jsonl", "--plot", plot)
+    assert proc.returncode == 0, proc.stderr
+    assert "final ppl" in proc.stdout and "MB sent" in proc.stdout
+    worst = max(records(runs[algo][1])[-1]["final_val_ppl"] for algo in named.values())
+    assert f"steps→{worst:.2f}" in proc.stdout  # default target: the worst final perplexity
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()}
+    for name, algo in named.items():
+        summary = records(runs[algo][1])[-1]
+        row = rows[name]
+        assert row[1] == algo
+        assert float(row[2]) == pytest.approx(summary["final_val_ppl"], abs=1e-3)
+        assert 0 < float(row[3]) <= 24  # both runs reach the worst final perplexity
+        assert float(row[5]) == pytest.approx(summary["bytes_sent"] / 1e6, abs=0.01)
+    data = plot.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_compare_unreachable_target(runs: dict[str, Any], env: dict[str, str]) -> None:
+    proc = cli(env, "compare", runs["ddp"][1], "--target-ppl", "1.0")
+    assert proc.returncode == 0, proc.stderr
+    row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("ddp"))
+    assert row[3] == row[4] == "—"
+
+
+# ---- bad input: one 'error:' line, exit 2, never a traceback ----
+
+SIMULATE = ["simulate", "--algo", "cocodc", *TINY, "--overlap", "2"]
+BAD_INPUTS = {  # id: (arguments, what the error line must name); {name} is a file of bad_files
+    "overlap>=H": (["--overlap", "8"], ["--overlap", "--inner-steps"]),
+    "fragments>units": (["--fragments", "5"], ["--fragments", "4 units"]),
+    "fragments9": (["--fragments", "9"], ["--fragments"]),
+    "algo": (["--algo", "foo"], ["--algo", "foo"]),
+    "codec": (["--codec", "fp8"], ["--codec", "fp8"]),
+    "data-missing": (["--data", "{missing}"], ["--data", "{missing}"]),
+    "data-empty": (["--data", "{empty}"], ["{empty}"]),
+    "data-not-utf8": (["--data", "{latin1}"], ["{latin1}", "UTF-8"]),
+    "config-broken": (["--config", "{broken}"], ["--config", "{broken}", "TOML"]),
+    "config-unknown-key": (["--config", "{unknown}"], ["{unknown}", "wrokers"]),
+    "workers-four": (["--workers", "four"], ["--workers", "four"]),
+    "workers-0": (["--workers", "0"], ["--workers"]),
+    "alpha-nan": (["--alpha", "nan"], ["--alpha"]),
+    "transmissions-0": (["--transmissions", "0"], ["--transmissions"]),
+    "diloco-overlap": (["--algo", "diloco", "--overlap", "2"], ["--overlap"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("bad")
+    files = {name: folder / name for name in ("empty.txt", "latin1.txt", "broken.toml", "unknown.toml")}
+    files["empty.txt"].write_bytes(b"")
+    files["latin1.txt"].write_bytes(("Fellow citizens of the Senate.\n\n" * 50).encode() + b"caf\xe9 \xff\n")
+    files["broken.toml"].write_text("workers = [2,\nalgo = \n", encoding="utf-8")
+    files["unknown.toml"].write_text("workers = 2\nwrokers = 3\n", encoding="utf-8")
+    named = {name.split(".")[0]: str(path) for name, path in files.items()}
+    return {**named, "missing": str(folder / "nowhere.txt"), "notjson": str(folder / "notes.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(env: dict[str, str], bad_files: dict[str, str]) -> dict[str, Any]:
+    jobs = {key: [a.format(**bad_files) for a in [*SIMULATE, *args]] for key, (args, _) in BAD_INPUTS.items()}
+    Path(bad_files["notjson"]).write_text("this is not json\n", encoding="utf-8")
+    jobs["compare-notjson"] = ["compare", bad_files["notjson"]]
+    jobs["usage"] = ["simulate", "--wokers", "2"]
+    return in_parallel(jobs, env)
+
+
+@pytest.mark.parametrize(
+    "key",
+    list(BAD_INPUTS),
+)
+def test_bad_input_is_one_error_line(bad_runs: dict[str, Any], bad_files: dict[str, str], key: str) -> None:
+    proc = bad_runs[key]
+    assert_one_error_line(proc, *(name.format(**bad_files) for name in BAD_INPUTS[key][1]))
+    assert proc.stdout == ""
+
+
+def test_compare_rejects_a_file_that_is_not_json(bad_runs: dict[str, Any], bad_files: dict[str, str]) -> None:
+    assert_one_error_line(bad_runs["compare-notjson"], bad_files["notjson"] + ":1", "not a JSON record")
+
+
+def test_click_usage_error_has_no_traceback(bad_runs: dict[str, Any]) -> None:
+    proc = bad_runs["usage"]
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "Error: No such option '--wokers'" in proc.stderr
+
+
+def test_every_config_field_is_an_option() -> None:
+    from p2p_cocodc.cli import simulate as command
+    from p2p_cocodc.config import FIELDS
+
+    options = {p.name: p.opts for p in command.params}
+    for name in FIELDS:
+        assert options[name][0] == "--" + name.replace("_", "-")
+    assert options["config_path"] == ["--config"]
+
+
+# ---- bad output paths and partial run files, in process ----
+
+
+def test_out_that_is_a_folder(tmp_path: Path) -> None:
+    from p2p_cocodc.errors import UserError
+    from p2p_cocodc.metrics import RunLog
+
+    with pytest.raises(UserError, match="--out"):
+        RunLog(str(tmp_path))
+
+
+def test_compare_records_without_fields(tmp_path: Path) -> None:
+    from p2p_cocodc.compare import compare_runs
+    from p2p_cocodc.errors import UserError
+
+    bad = tmp_path / "partial.jsonl"
+    bad.write_text('{"kind": "eval", "step": 0}\n{"kind": "summary"}\n', encoding="utf-8")
+    with pytest.raises(UserError, match="partial.jsonl"):
+        compare_runs([str(bad)], None, None)
+
+
+def test_compare_runs_with_the_same_file_name(runs: dict[str, Any], tmp_path: Path) -> None:
+    from p2p_cocodc.compare import compare_runs
+
+    paths = []
+    for sub, algo in (("a", "diloco"), ("b", "cocodc")):
+        (tmp_path / sub).mkdir()
+        paths.append(tmp_path / sub / "run.jsonl")
+        paths[-1].write_bytes(runs[algo][1].read_bytes())
+    table = compare_runs([str(p) for p in paths], None, None)
+    assert "diloco" in table and "cocodc" in table
+
+
+def test_plot_is_written_where_asked(runs: dict[str, Any], tmp_path: Path) -> None:
+    from p2p_cocodc.compare import compare_runs
+
+    plot = tmp_path / "ppl"
+    assert f"plot written to {plot}" in compare_runs([str(runs["ddp"][1])], None, str(plot))
+    assert plot.read_bytes().startswith(PNG_MAGIC)

@@ -1,0 +1,332 @@
+"""The config schema: defaults, coercion of CLI/TOML values, precedence, TOML loading, core settings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from p2p_cocodc.algorithms.strategies import AlgoSettings
+from p2p_cocodc.config import AUTO, FIELDS, TrainConfig, build_config, coerce, default_of, load_toml
+from p2p_cocodc.errors import UserError
+
+# ---- defaults ----
+
+
+def test_defaults_validate() -> None:
+    cfg = TrainConfig()
+    assert cfg.validate() is cfg
+    assert build_config({}, {}) == cfg
+    settings = cfg.algo_settings()
+    assert settings.algo == "cocodc" and settings.transmissions == cfg.fragments == 4
+
+
+def test_default_of_matches_the_dataclass() -> None:
+    cfg = TrainConfig()
+    for name in FIELDS:
+        assert default_of(name) == getattr(cfg, name)
+    assert set(FIELDS) == {f.name for f in fields(TrainConfig)}
+    assert all(f.metadata["help"] for f in FIELDS.values())
+
+
+# ---- precedence: defaults < file < command line ----
+
+
+def test_build_config_precedence() -> None:
+    cfg = build_config({"seed": 3, "workers": 2, "algo": "streaming"}, {"seed": "9", "lr": "0.01"})
+    assert cfg.seed == 9  # the command line beats the file
+    assert cfg.workers == 2 and cfg.algo == "streaming"  # the file beats the defaults
+    assert cfg.lr == 0.01  # command-line strings are coerced
+    assert cfg.steps == TrainConfig().steps == 480  # untouched: the default
+
+
+def test_build_config_validates_the_merge() -> None:
+    # a file value that is invalid on its own is fine once the command line fixes it ...
+    assert build_config({"algo": "diloco", "overlap": 3}, {"overlap": "0"}).overlap == 0
+    # ... and a valid file value can be made invalid by the command line
+    with pytest.raises(UserError, match="--overlap 48 must be in"):
+        build_config({"algo": "streaming"}, {"overlap": "48"})
+
+
+def test_build_config_from_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'algo = "streaming"\ninner-steps = 8\nfragments = 2\noverlap = 2\nseed = 4\n', encoding="utf-8"
+    )
+    cfg = build_config(load_toml(path), {"seed": "11"})
+    assert (cfg.algo, cfg.inner_steps, cfg.fragments, cfg.overlap, cfg.seed) == ("streaming", 8, 2, 2, 11)
+
+
+# ---- coerce ----
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("workers", "4", 4),
+        ("workers", 4, 4),
+        ("workers", 3.0, 3),  # an integral TOML float
+        ("alpha", "0.25", 0.25),
+        ("alpha", 1, 1.0),
+        ("latency_ms", "1e2", 100.0),
+        ("dc_wd_debias", "yes", True),
+        ("dc_wd_debias", "Off", False),
+        ("dc_wd_debias", True, True),
+        ("algo", "ddp", "ddp"),
+        ("codec", "int8", "int8"),
+        ("model", "nano", "nano"),
+        ("transmissions", None, None),
+        ("momentum_clip", None, None),
+        ("step_time", "0.5", 0.5),
+        ("overlap", "3", 3),
+        ("transmissions", "2", 2),
+    ],
+)
+def test_coerce_values(name: str, value: object, expected: object) -> None:
+    got = coerce(name, value)
+    assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("workers", "four", "--workers must be int, got 'four'"),
+        ("workers", 2.5, "--workers must be int, got 2.5"),
+        ("workers", "2.0", "--workers must be int"),
+        ("workers", True, "--workers must be int, got True"),
+        ("workers", None, "--workers must be int, got None"),
+        ("workers", [2], "--workers must be int"),
+        ("seed", "", "--seed must be int"),
+        ("alpha", "half", "--alpha must be float, got 'half'"),
+        ("alpha", False, "--alpha must be float"),
+        ("dc_wd_debias", "maybe", "--dc-wd-debias must be bool"),
+        ("dc_wd_debias", 2, "--dc-wd-debias must be bool"),
+        ("algo", "foo", "unknown --algo 'foo': use one of ddp, diloco, streaming, cocodc"),
+        ("codec", "fp8", "unknown --codec 'fp8': use one of fp32, bf16, int8, fp4"),
+        ("pattern", "random", "unknown --pattern 'random'"),
+        ("tokenizer", "gpt2", "unknown --tokenizer 'gpt2'"),
+        ("dc_rule", "global", "unknown --dc-rule 'global'"),
+    ],
+)
+def test_coerce_errors(name: str, value: object, message: str) -> None:
+    with pytest.raises(UserError) as info:
+        coerce(name, value)
+    assert message in str(info.value)
+
+
+def test_coerce_nan_is_a_float_that_validate_rejects() -> None:
+    assert math.isnan(coerce("alpha", "nan"))
+    for name in ("alpha", "dc_lambda", "latency_ms", "outer_lr", "momentum_clip", "step_time"):
+        with pytest.raises(UserError, match=f"--{name.replace('_', '-')} must be"):
+            build_config({}, {name: "nan"})
+    with pytest.raises(UserError, match="--bandwidth-mbps must be"):
+        build_config({}, {"bandwidth_mbps": "inf"})
+    with pytest.raises(UserError, match="--step-time must be a finite number"):
+        build_config({}, {"step_time": "inf"})
+
+
+# ---- 'auto' ----
+
+
+@pytest.mark.parametrize("name", ["overlap", "transmissions"])
+def test_auto_accepted_for_overlap_and_transmissions(name: str) -> None:
+    assert coerce(name, "auto") == AUTO
+    cfg = build_config({}, {name: "auto"})
+    assert getattr(cfg, name) == AUTO
+    assert build_config({name: coerce(name, "auto")}, {}) == cfg  # from a file too
+
+
+@pytest.mark.parametrize(
+    "name", ["workers", "steps", "inner_steps", "fragments", "alpha", "step_time", "seed"]
+)
+def test_auto_rejected_elsewhere(name: str) -> None:
+    with pytest.raises(UserError, match=f"--{name.replace('_', '-')} must be") as info:
+        coerce(name, "auto")
+    assert "'auto'" in str(info.value) and "or 'auto'" not in str(info.value)
+
+
+def test_overlap_error_mentions_auto() -> None:
+    with pytest.raises(UserError, match=r"--overlap must be int or 'auto', got 'soon'"):
+        coerce("overlap", "soon")
+
+
+def test_auto_still_checks_the_rest_of_the_settings() -> None:
+    with pytest.raises(UserError, match="diloco blocks on every sync") as info:
+        build_config({}, {"algo": "diloco", "overlap": "2", "transmissions": "auto"})
+    assert "--overlap" in str(info.value)
+    with pytest.raises(UserError, match="streaming needs --inner-steps"):
+        build_config({}, {"algo": "streaming", "overlap": "auto", "inner_steps": "10", "fragments": "4"})
+
+
+# ---- validate ----
+
+
+@pytest.mark.parametrize(
+    ("cli", "message"),
+    [
+        ({"workers": "0"}, "--workers must be ≥ 1, got 0"),
+        ({"steps": "-1"}, "--steps must be ≥ 1"),
+        ({"eval_every": "0"}, "--eval-every must be ≥ 1"),
+        ({"lr": "0"}, "--lr must be > 0"),
+        ({"seed": "-1"}, "--seed must be ≥ 0"),
+        ({"step_time": "0"}, "--step-time must be > 0"),
+        ({"threads": "0"}, "--threads must be ≥ 1"),
+        ({"overlap": "48"}, "--overlap 48 must be in [0, --inner-steps 48)"),
+        ({"algo": "diloco"}, "use --overlap 0"),
+        ({"transmissions": "0"}, "--transmissions 0 must be between 1 and --inner-steps 48"),
+        ({"transmissions": "49"}, "--transmissions 49 must be between 1"),
+        ({"alpha": "1.5"}, "--alpha must be in [0, 1]"),
+        ({"dc_lambda": "-1"}, "--dc-lambda"),
+        ({"outer_momentum": "1"}, "--outer-momentum in [0, 1)"),
+        ({"momentum_clip": "0"}, "--momentum-clip must be > 0"),
+        ({"algo": "streaming", "fragments": "5"}, "divisible by --fragments (5)"),
+    ],
+)
+def test_validate_names_the_option(cli: dict[str, str], message: str) -> None:
+    with pytest.raises(UserError) as info:
+        build_config({}, cli)
+    assert message in str(info.value)
+
+
+def test_validate_data_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(UserError, match=f"--data {missing}: no such file"):
+        build_config({}, {"data": str(missing)})
+    (tmp_path / "a.txt").write_text("text", encoding="utf-8")
+    assert build_config({}, {"data": str(tmp_path / "a.txt")}).data == str(tmp_path / "a.txt")
+
+
+# ---- load_toml ----
+
+
+@pytest.mark.parametrize("key", ["inner-steps", "inner_steps"])
+def test_load_toml_key_styles(tmp_path: Path, key: str) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        f'{key} = 8\ndc-wd-debias = true\nstep_time = 0.1\noverlap = "auto"\nmomentum-clip = 2\n',
+        encoding="utf-8",
+    )
+    values = load_toml(path)
+    assert values == {
+        "inner_steps": 8,
+        "dc_wd_debias": True,
+        "step_time": 0.1,
+        "overlap": AUTO,
+        "momentum_clip": 2.0,
+    }
+    assert type(values["momentum_clip"]) is float
+
+
+def test_load_toml_accepts_a_str_path(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('codec = "bf16"\n', encoding="utf-8")
+    assert load_toml(str(path)) == {"codec": "bf16"}
+
+
+def test_load_toml_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "missing.toml"
+    with pytest.raises(UserError, match=f"--config {path}: no such file"):
+        load_toml(path)
+
+
+@pytest.mark.parametrize("text", [b"workers = [2,\n", b"workers = \n", b"[a\n", b"\xff\xfeworkers = 2\n"])
+def test_load_toml_bad_toml(tmp_path: Path, text: bytes) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_bytes(text)
+    with pytest.raises(UserError) as info:
+        load_toml(path)
+    message = str(info.value)
+    assert message.startswith(f"--config {path} is not valid TOML")
+    assert "fix the file" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("key", ["wrokers", "inner.steps", "section"])
+def test_load_toml_unknown_key(tmp_path: Path, key: str) -> None:
+    path = tmp_path / "typo.toml"
+    body = "[section]\nworkers = 2\n" if key == "section" else f'workers = 2\n"{key}" = 3\n'
+    path.write_text(body, encoding="utf-8")
+    with pytest.raises(UserError) as info:
+        load_toml(path)
+    message = str(info.value)
+    assert f"unknown key {key!r}" in message and str(path) in message
+    assert "valid keys:" in message and "inner-steps" in message and "bandwidth-mbps" in message
+
+
+def test_load_toml_bad_value_names_the_option(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('workers = "four"\n', encoding="utf-8")
+    with pytest.raises(UserError, match="--workers must be int, got 'four'"):
+        load_toml(path)
+    path.write_text('codec = "fp8"\n', encoding="utf-8")
+    with pytest.raises(UserError, match="unknown --codec 'fp8'"):
+        load_toml(path)
+
+
+def test_load_toml_nan_is_caught_by_validate(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("alpha = nan\n", encoding="utf-8")
+    values = load_toml(path)
+    with pytest.raises(UserError, match="--alpha must be a finite number"):
+        build_config(values, {})
+
+
+def test_load_toml_folder(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="--config"):
+        load_toml(tmp_path)
+
+
+# ---- algo_settings / inner_settings ----
+
+
+def test_algo_settings_maps_every_field() -> None:
+    cfg = build_config(
+        {},
+        {
+            "algo": "cocodc",
+            "inner_steps": "16",
+            "fragments": "2",
+            "pattern": "sequential",
+            "overlap": "3",
+            "alpha": "0.3",
+            "dc_lambda": "0.2",
+            "dc_rule": "step",
+            "dc_lambda_max": "4",
+            "dc_wd_debias": "true",
+            "outer_lr": "0.5",
+            "outer_momentum": "0.8",
+            "gap_penalty": "2",
+            "momentum_clip": "1.5",
+        },
+    )
+    s = cfg.algo_settings()
+    assert isinstance(s, AlgoSettings)
+    assert (s.algo, s.inner_steps, s.fragments, s.pattern, s.overlap) == ("cocodc", 16, 2, "sequential", 3)
+    assert (s.alpha, s.dc_lambda, s.dc_rule, s.dc_lambda_max, s.dc_wd_debias) == (0.3, 0.2, "step", 4.0, True)
+    assert s.transmissions == 2  # defaults to --fragments
+    o = s.outer
+    assert (o.lr, o.momentum, o.gap_penalty, o.momentum_clip) == (0.5, 0.8, 2.0, 1.5)
+
+
+def test_algo_settings_transmissions() -> None:
+    assert build_config({}, {"fragments": "3"}).algo_settings().transmissions == 3
+    assert build_config({}, {"fragments": "3", "transmissions": "7"}).algo_settings().transmissions == 7
+
+
+def test_algo_settings_resolves_auto() -> None:
+    cfg = build_config({}, {"overlap": "auto", "transmissions": "auto"})
+    s = cfg.algo_settings(overlap=5, transmissions=6)
+    assert (s.overlap, s.transmissions) == (5, 6)
+    with pytest.raises((UserError, ValueError)):
+        cfg.algo_settings()  # 'auto' must be resolved before the core sees it
+    # explicit numbers win over the config's own values
+    assert TrainConfig().algo_settings(overlap=0).overlap == 0
+
+
+def test_inner_settings() -> None:
+    cfg = build_config(
+        {}, {"lr": "0.002", "warmup": "7", "steps": "99", "weight_decay": "0.01", "grad_clip": "0"}
+    )
+    i = cfg.inner_settings()
+    assert (i.lr, i.warmup, i.total_steps, i.weight_decay, i.grad_clip) == (0.002, 7, 99, 0.01, 0.0)
