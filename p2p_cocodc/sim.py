@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from p2p_cocodc.algorithms.fragments import make_fragments
 from p2p_cocodc.algorithms.inner import InnerSettings, InnerTrainer, evaluate
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
 from p2p_cocodc.codecs import Codec, decode_mean, get_codec
@@ -95,6 +96,7 @@ class Simulation:
             Shard(tokens.train, cfg.seq_len, cfg.batch_size, i, cfg.workers, cfg.seed)
             for i in range(cfg.workers)
         ]
+        self.link = Link(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6)
         self.step_time = cfg.step_time
         if self.step_time is None and AUTO in (cfg.overlap, cfg.transmissions):
             self.step_time = measure_step_time(base, shards[0], self.inner)
@@ -105,7 +107,6 @@ class Simulation:
             strategy = make_strategy(model, self.settings, self.inner.decay_between)
             self.workers.append(Worker(InnerTrainer(model, self.inner), shard, strategy))
         self.eval_model = copy.deepcopy(base)
-        self.link = Link(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6)
         self.clock = 0.0
         self.stall = 0.0
         self.bytes_sent = 0
@@ -116,10 +117,12 @@ class Simulation:
         cfg = self.cfg
         if AUTO not in (cfg.overlap, cfg.transmissions):
             return cfg.algo_settings()
-        probe = make_strategy(copy.deepcopy(model), cfg.algo_settings(overlap=0, transmissions=1))
-        sizes = [f.numel for f in probe.fragments] if isinstance(probe, Strategy) else [self.num_params]
-        link = Link(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6)
-        times = [link.transfer_time(allreduce_wire_bytes(self.codec, n, cfg.workers)) for n in sizes]
+        if cfg.algo in ("streaming", "cocodc"):
+            sizes = [f.numel for f in make_fragments(model, cfg.fragments, cfg.pattern)]
+        else:
+            sizes = [self.num_params]
+        wire = [allreduce_wire_bytes(self.codec, n, cfg.workers) for n in sizes]
+        times = [self.link.transfer_time(w) for w in wire]
         assert self.step_time is not None
         overlap = transmissions = None
         if cfg.overlap == AUTO:

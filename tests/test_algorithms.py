@@ -309,3 +309,13 @@ def test_eager_rule_keeps_global_params_identical_and_learns() -> None:
     sim, summary = simulate(SMALL, algo="cocodc", dc_rule="eager", workers=3, codec="int8")
     assert len({params_sha256(w.strategy.global_state()) for w in sim.workers}) == 1
     assert summary["final_val_ppl"] < 0.8 * summary["initial_val_ppl"]
+
+
+def test_auto_transmissions_is_what_the_link_carries_in_h_steps() -> None:
+    link = dict(latency_ms=20.0, bandwidth_mbps=20.0, step_time=0.05)
+    sim = Simulation(replace(SMALL, algo="cocodc", transmissions="auto", **link).validate())
+    sizes = [f.numel for f in make_fragments(sim.workers[0].trainer.model, SMALL.fragments, "strided")]
+    # butterfly all-reduce of M = 2 replicas: each link carries 2(M−1)/M = 1× the fp32 fragment
+    mean_seconds = sum(0.020 + 8 * 4 * n / 20e6 for n in sizes) / len(sizes)
+    assert sim.settings.transmissions == int(SMALL.inner_steps * 0.05 / mean_seconds)
+    assert 1 <= sim.settings.transmissions < SMALL.inner_steps
