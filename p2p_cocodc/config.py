@@ -45,10 +45,7 @@ class TrainConfig:
     alpha: float = _opt(0.5, "streaming merge: θ ← α·θ(now) + (1−α)·new global")
     dc_lambda: float = _opt(0.5, "λ0 of CoCoDC's Taylor delay compensation (0 = re-apply local progress)")
     dc_rule: str = _opt(
-        "tensor",
-        "compensation rule: per-tensor adaptive λ, per-step with λ cap, or eager (train from a "
-        "provisional outer step of the own Δ, re-based on the true result when it lands)",
-        DC_RULES,
+        "tensor", "compensation rule: per-tensor adaptive λ, or per-step with λ cap", DC_RULES
     )
     dc_lambda_max: float = _opt(10.0, "λ cap of the per-step rule")
     dc_wd_debias: bool = _opt(False, "per-step rule: take decoupled weight decay out of the local progress")

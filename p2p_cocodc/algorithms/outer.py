@@ -30,21 +30,11 @@ class OuterOptimizer:
 
     def step(self, delta: torch.Tensor) -> torch.Tensor:
         """Apply one averaged outer gradient; returns θ̄ (the new global fragment)."""
-        momentum, update = self._update(delta)
-        self.momentum = momentum
-        self.global_params.sub_(update, alpha=self.settings.lr)
-        return self.global_params
-
-    def preview(self, delta: torch.Tensor) -> torch.Tensor:
-        """Where θ̄ would go with this outer gradient, without changing any state."""
-        return self.global_params - self.settings.lr * self._update(delta)[1]
-
-    def _update(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next momentum buffer and the update direction for outer gradient ``delta``."""
         s = self.settings
         grad = delta.float() / s.gap_penalty if s.gap_penalty != 1.0 else delta.float()
-        momentum = self.momentum.mul(s.momentum).add_(grad)
+        self.momentum.mul_(s.momentum).add_(grad)
         if s.momentum_clip is not None:
-            momentum.clamp_(-s.momentum_clip, s.momentum_clip)
-        update = grad.add(momentum, alpha=s.momentum) if s.nesterov else momentum
-        return momentum, update
+            self.momentum.clamp_(-s.momentum_clip, s.momentum_clip)
+        update = grad.add(self.momentum, alpha=s.momentum) if s.nesterov else self.momentum
+        self.global_params.sub_(update, alpha=s.lr)
+        return self.global_params

@@ -26,7 +26,7 @@ from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, Sch
 from p2p_cocodc.errors import UserError
 
 ALGORITHMS = ("ddp", "diloco", "streaming", "cocodc")
-DC_RULES = ("tensor", "step", "eager")
+DC_RULES = ("tensor", "step")
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,6 @@ class PendingSync:
     snapshot: torch.Tensor
     sent_step: int
     due_step: int
-    provisional: torch.Tensor | None = None  # eager rule: where the replica jumped at send time
 
 
 class Strategy:
@@ -183,22 +182,10 @@ class CoCoDC(Strategy):
         if settings.dc_wd_debias and decay_between is None:
             raise ValueError("weight-decay debias needs the inner LR schedule (decay_between)")
 
-    def payload(self, p: int, step: int) -> torch.Tensor:
-        """Eager rule: while the sync is in flight, train from the outer step of this replica's own Δ."""
-        delta = super().payload(p, step)
-        if self.settings.dc_rule == "eager":
-            provisional = self.outer[p].preview(delta)
-            self.fragments[p].write(provisional)
-            self.in_flight[p].provisional = provisional
-        return delta
-
     def merge(
         self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int
     ) -> torch.Tensor:
         s = self.settings
-        if pending.provisional is not None:
-            # Keep the progress made from the provisional point, re-based on the true new global.
-            return fragment.read() + (new_global - pending.provisional)
         z = fragment.per_tensor(new_global)
         snap = fragment.per_tensor(pending.snapshot)
         now = fragment.per_tensor(fragment.read())
