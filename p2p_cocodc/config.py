@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -225,8 +225,3 @@ def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Tra
     """Defaults, then the file, then the command line; validated."""
     merged = {**file_values, **{k: coerce(k, v) for k, v in cli_values.items()}}
     return replace(TrainConfig(), **merged).validate()
-
-
-def default_of(name: str) -> Any:
-    f = FIELDS[name]
-    return None if f.default is MISSING else f.default

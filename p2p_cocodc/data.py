@@ -245,7 +245,8 @@ def train_bpe(docs: Sequence[str]) -> str:
 
 
 def build_shipped_bpe() -> None:
-    """Regenerate corpus/bpe4096.json from the embedded train split (run once, by hand)."""
+    """Regenerate corpus/bpe4096.json from the embedded train split, by hand:
+    ``python -c "from p2p_cocodc.data import build_shipped_bpe; build_shipped_bpe()"``."""
     SHIPPED_BPE.write_text(train_bpe(load_corpus(None).train_docs), encoding="utf-8")
 
 

@@ -132,7 +132,7 @@ def build_model(spec: str, vocab_size: int, seq_len: int) -> nn.Module:
 
 def check_fragment_units(model: nn.Module, spec: str) -> None:
     """Every trainable parameter must sit in exactly one unit, or fragments would miss or repeat it."""
-    if not isinstance(model, nn.Module) or not callable(getattr(model, "fragment_units", None)):
+    if not isinstance(model, nn.Module) or not isinstance(model, FragmentedModel):
         raise UserError(f"model {spec!r} must be a torch.nn.Module with a fragment_units() method")
     declared = [name for unit in model.fragment_units() for name in unit]
     params = [name for name, p in model.named_parameters() if p.requires_grad]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from p2p_cocodc.algorithms.strategies import AlgoSettings
-from p2p_cocodc.config import AUTO, FIELDS, TrainConfig, build_config, coerce, default_of, load_toml
+from p2p_cocodc.config import AUTO, TrainConfig, build_config, coerce, load_toml
 from p2p_cocodc.errors import UserError
 
 # ---- defaults ----
@@ -21,17 +20,6 @@ def test_defaults_validate() -> None:
     assert build_config({}, {}) == cfg
     settings = cfg.algo_settings()
     assert settings.algo == "cocodc" and settings.transmissions == cfg.fragments == 4
-
-
-def test_default_of_matches_the_dataclass() -> None:
-    cfg = TrainConfig()
-    for name in FIELDS:
-        assert default_of(name) == getattr(cfg, name)
-    assert set(FIELDS) == {f.name for f in fields(TrainConfig)}
-    assert all(f.metadata["help"] for f in FIELDS.values())
-
-
-# ---- precedence: defaults < file < command line ----
 
 
 def test_build_config_precedence() -> None:
