@@ -48,7 +48,17 @@ TAUS = (0, 12, 24)
 
 
 def run_name(opts: dict) -> str:
-    keys = ["algo", "overlap", "transmissions", "outer-lr", "dc-lambda", "dc-rule", "alpha", "seed"]
+    keys = [
+        "algo",
+        "overlap",
+        "transmissions",
+        "outer-lr",
+        "dc-lambda",
+        "dc-rule",
+        "dc-alpha",
+        "alpha",
+        "seed",
+    ]
     return "_".join(f"{k.replace('-', '')}{opts[k]}" for k in keys if k in opts)
 
 
@@ -154,6 +164,11 @@ def grid_configs(tuned: dict, seeds: list[int]) -> dict[str, list[dict]]:
             "outer-lr": lr["cocodc"],
             "seed": s,
         }
+        for s in seeds
+    ]
+    rows["cocodc τ=24 N=K damped (dc-alpha 0.5)"] = [
+        {"algo": "cocodc", "overlap": 24, "dc-lambda": lam, "dc-alpha": 0.5, "outer-lr": lr["cocodc"]}
+        | {"seed": s}
         for s in seeds
     ]
     rows["cocodc τ=24 N=K λ0=0"] = [

@@ -49,6 +49,10 @@ class TrainConfig:
     )
     dc_lambda_max: float = _opt(10.0, "λ cap of the per-step rule")
     dc_wd_debias: bool = _opt(False, "per-step rule: take decoupled weight decay out of the local progress")
+    dc_alpha: float = _opt(
+        0.0,
+        "cocodc: apply only (1 − α) of the compensated jump, θ ← α·θ(now) + (1−α)·DC (τ = 0: streaming α)",
+    )
     transmissions: int | str | None = _opt(
         None,
         "N: fragment sends per H steps for cocodc (default: K; 'auto' = what the link carries)",
@@ -138,6 +142,7 @@ class TrainConfig:
             dc_rule=self.dc_rule,
             dc_lambda_max=self.dc_lambda_max,
             dc_wd_debias=self.dc_wd_debias,
+            dc_alpha=self.dc_alpha,
             transmissions=self.fragments if n is None else int(n),
             outer=OuterSettings(
                 lr=self.outer_lr,

@@ -220,6 +220,12 @@ def test_cocodc_without_overlap_equals_streaming_without_merge() -> None:
     assert overlapped["global_params_sha256"] != streaming["global_params_sha256"]
 
 
+def test_cocodc_damped_without_overlap_equals_streaming_merge() -> None:
+    _, cocodc = simulate(SMALL, algo="cocodc", overlap=0, dc_alpha=0.5)
+    _, streaming = simulate(SMALL, algo="streaming", overlap=0, alpha=0.5)
+    assert cocodc["global_params_sha256"] == streaming["global_params_sha256"]
+
+
 @pytest.mark.parametrize("algo,codec", [("streaming", "int8"), ("cocodc", "fp4"), ("diloco", "bf16")])
 def test_every_worker_holds_identical_global_params_after_every_sync(algo: str, codec: str) -> None:
     cfg = replace(

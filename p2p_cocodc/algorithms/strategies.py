@@ -43,6 +43,7 @@ class AlgoSettings:
     dc_rule: str = "tensor"
     dc_lambda_max: float = 10.0
     dc_wd_debias: bool = False
+    dc_alpha: float = 0.0
     transmissions: int = 4
     outer: OuterSettings = field(default_factory=OuterSettings)
 
@@ -70,8 +71,9 @@ class AlgoSettings:
                 f"--transmissions {self.transmissions} must be between 1 and --inner-steps "
                 f"{self.inner_steps} (one send slot every ⌊H/N⌋ steps)"
             )
-        if not 0.0 <= self.alpha <= 1.0:
-            raise UserError(f"--alpha must be in [0, 1], got {self.alpha}")
+        for name, value in (("alpha", self.alpha), ("dc-alpha", self.dc_alpha)):
+            if not 0.0 <= value <= 1.0:
+                raise UserError(f"--{name} must be in [0, 1], got {value}")
         if self.dc_lambda < 0 or self.dc_lambda_max < 0:
             raise UserError("--dc-lambda and --dc-lambda-max must be ≥ 0")
         o = self.outer
@@ -188,7 +190,8 @@ class CoCoDC(Strategy):
         s = self.settings
         z = fragment.per_tensor(new_global)
         snap = fragment.per_tensor(pending.snapshot)
-        now = fragment.per_tensor(fragment.read())
+        current = fragment.read()
+        now = fragment.per_tensor(current)
         if s.dc_rule == "tensor":
             merged = compensate_per_tensor(z, snap, now, s.dc_lambda)
         else:
@@ -198,7 +201,9 @@ class CoCoDC(Strategy):
             merged = compensate_per_step(
                 z, snap, now, s.dc_lambda, step - pending.sent_step, s.dc_lambda_max, decay
             )
-        return torch.cat([m.reshape(-1) for m in merged])
+        compensated = torch.cat([m.reshape(-1) for m in merged])
+        # dc_alpha damps the jump like Streaming's α: only (1 − α) of the displacement is applied.
+        return torch.lerp(compensated, current, s.dc_alpha) if s.dc_alpha else compensated
 
 
 class DataParallel:
