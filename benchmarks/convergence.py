@@ -7,7 +7,7 @@ and writes ``docs/convergence.md`` with the table, the bars of the issue, and a 
 Stages: ``tune`` (seed 0: outer lr per method, then λ0 for cocodc, judged on validation perplexity),
 ``grid`` (every method, τ ∈ {0, 12, 24}, all seeds, with the tuned values), ``report``.
 
-    python benchmarks/convergence.py --jobs 2          # everything, ~1 h on 2 cores
+    python benchmarks/convergence.py --jobs 2          # everything, ~1.5 h on 2 cores
     python benchmarks/convergence.py --stage report    # rebuild docs/ from finished runs
 """
 
@@ -313,6 +313,7 @@ def plot_curves(stats: dict, path: Path) -> None:
         ax.set_ylabel("validation perplexity of θ̄ (mean of seeds)")
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
+    axes[1].set_xscale("log")  # ddp's time is an order of magnitude beyond the others
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
