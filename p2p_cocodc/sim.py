@@ -214,8 +214,12 @@ class Simulation:
             raise RuntimeError(f"replicas disagree on the fragments {what}: {choices}")
         return choices[0]
 
+    def _fragment_strategies(self) -> list[Strategy]:
+        """The replicas' fragment strategies (only called when the algorithm is not ddp)."""
+        return [w.strategy for w in self.workers]  # type: ignore[misc]
+
     def _send(self, step: int) -> None:
-        strategies: list[Strategy] = [w.strategy for w in self.workers]  # type: ignore[misc]
+        strategies = self._fragment_strategies()
         for p in self._agreed([s.sends_after(step) for s in strategies], f"to send at step {step}"):
             averaged = allreduce([s.payload(p, step) for s in strategies], self.codec)
             wire = allreduce_wire_bytes(self.codec, averaged.numel(), len(strategies))
@@ -223,7 +227,7 @@ class Simulation:
             self.pending[p] = PendingResult(averaged, self.link.send(self.clock, wire))
 
     def _apply_due(self, step: int) -> None:
-        strategies: list[Strategy] = [w.strategy for w in self.workers]  # type: ignore[misc]
+        strategies = self._fragment_strategies()
         for p in self._agreed([s.due(step) for s in strategies], f"due at step {step}"):
             result = self.pending.pop(p)
             self._wait_until(result.arrives_at)
