@@ -79,6 +79,75 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
 
 
 @cli.command()
+@training_options
+@click.option("--bootstrap", required=True, help="bootstrap multiaddr, or the HOST:PORT it printed")
+@click.option("--run-id", default="default", show_default=True, help="runs sharing one DHT stay apart")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address this peer listens on")
+@click.option("--port", type=int, default=0, show_default=True, help="libp2p port (0: any free one)")
+@click.option("--announce", default=None, help="address other peers dial (default: --host)")
+@click.option("--shard", default=None, metavar="I/N", help="read data shard I of N (default: by peer id)")
+@click.option(
+    "--wait-peers", type=float, default=300.0, show_default=True, help="seconds to wait for --workers peers"
+)
+@click.option(
+    "--round-timeout",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="seconds a sync may take beyond what measured step times predict",
+)
+@click.option("--quiet", is_flag=True, help="no progress bar")
+def join(
+    config_path: str | None,
+    bootstrap: str,
+    run_id: str,
+    host: str,
+    port: int,
+    announce: str | None,
+    shard: str | None,
+    wait_peers: float,
+    round_timeout: float,
+    quiet: bool,
+    **options: Any,
+) -> None:
+    """Join a swarm as one peer (one region) and train with the others."""
+    from p2p_cocodc.peer import Peer, SwarmOptions, parse_shard
+
+    cfg = _config_from(config_path, options)
+    opts = SwarmOptions(
+        bootstrap=bootstrap,
+        run_id=run_id,
+        host=host,
+        port=port,
+        announce=announce,
+        shard=parse_shard(shard) if shard is not None else None,
+        wait_peers_s=wait_peers,
+        round_timeout_s=round_timeout,
+    )
+    summary = run_peer(Peer(cfg, opts), cfg, quiet)
+    click.echo(
+        f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "
+        f"{summary['bytes_sent'] / 1e6:.2f} MB sent, stalled {summary['stall_s']:.1f} s of "
+        f"{summary['wall_time_s']:.1f} s; θ̄ sha256 {summary['global_params_sha256'][:16]}"
+    )
+
+
+def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
+    """Run a peer on a uvloop event loop, with a progress bar unless quiet."""
+    import uvloop
+
+    from p2p_cocodc.metrics import RunLog
+    from p2p_cocodc.progress import ProgressBar
+
+    log = RunLog(cfg.out)
+    try:
+        with ProgressBar(cfg.steps, disable=quiet) as bar:
+            return uvloop.run(peer.run(log, progress=bar.update))
+    finally:
+        log.close()
+
+
+@cli.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
 @click.option(
     "--target-ppl",

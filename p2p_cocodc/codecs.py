@@ -33,13 +33,14 @@ import torch.nn.functional as F
 
 from p2p_cocodc.errors import UserError
 
-__all__ = ["CODECS", "Codec", "decode_mean", "get_codec"]
+__all__ = ["CODECS", "Codec", "decode_mean", "get_codec", "mean_in_order"]
 
 
 class Codec(ABC):
     """One wire format; the public methods validate, subclasses only implement the format."""
 
     name: str
+    block: int = 1  # values quantized together; slices cut on block edges encode like the whole
 
     def encode(self, x: torch.Tensor) -> bytes:
         """Serialize a 1-D float tensor (any device, any strides) to wire bytes."""
@@ -231,9 +232,14 @@ def get_codec(name: str) -> Codec:
 
 def decode_mean(payloads: Sequence[bytes], codec: Codec, numel: int) -> torch.Tensor:
     """Average peers' payloads; a fixed fp32 accumulation order makes every peer agree bitwise."""
-    if not payloads:
-        raise UserError("decode_mean needs at least one payload")
-    total = codec.decode(payloads[0], numel)
-    for payload in payloads[1:]:
-        total.add_(codec.decode(payload, numel))
-    return total.div_(len(payloads))
+    return mean_in_order([codec.decode(payload, numel) for payload in payloads])
+
+
+def mean_in_order(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum in the given order, then divide: the same float ops wherever the mean is taken."""
+    if not values:
+        raise UserError("a mean needs at least one payload")
+    total = values[0].clone()
+    for value in values[1:]:
+        total.add_(value)
+    return total.div_(len(values))

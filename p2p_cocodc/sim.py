@@ -19,17 +19,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from p2p_cocodc.algorithms.fragments import make_fragments
-from p2p_cocodc.algorithms.inner import InnerSettings, InnerTrainer, evaluate
-from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
-from p2p_cocodc.codecs import Codec, decode_mean, get_codec
-from p2p_cocodc.config import AUTO, TrainConfig
-from p2p_cocodc.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
+from p2p_cocodc.algorithms.inner import InnerTrainer
+from p2p_cocodc.algorithms.strategies import DataParallel, Strategy
+from p2p_cocodc.codecs import Codec, decode_mean
+from p2p_cocodc.config import TrainConfig
+from p2p_cocodc.data import Shard
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog, params_sha256, perplexity
-from p2p_cocodc.model import build_model, count_parameters
+from p2p_cocodc.metrics import RunLog, params_sha256
+from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes
 
 
 @dataclass
@@ -47,11 +45,6 @@ class Link:
         """Queue a transfer at time ``now``; returns when it has fully arrived."""
         self.free_at = max(self.free_at, now) + self.transfer_time(num_bytes)
         return self.free_at
-
-
-def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:
-    """Bytes one replica sends in a butterfly all-reduce of ``numel`` values."""
-    return math.ceil(2 * (replicas - 1) * codec.wire_bytes(numel) / replicas)
 
 
 def allreduce(payloads: list[torch.Tensor], codec: Codec) -> torch.Tensor:
@@ -81,63 +74,21 @@ class Simulation:
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        if cfg.threads is not None:
-            torch.set_num_threads(cfg.threads)
-        corpus = load_corpus(cfg.data)
-        tokenizer = load_tokenizer(cfg.tokenizer, corpus)
-        tokens = tokenize_corpus(corpus, tokenizer)
-        torch.manual_seed(cfg.seed)
-        base = build_model(cfg.model, tokens.vocab_size, cfg.seq_len)
-        self.num_params = count_parameters(base)
-        self.inner = cfg.inner_settings()
-        self.codec = get_codec(cfg.codec)
-        self.val_batches = validation_batches(tokens.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
-        shards = [
-            Shard(tokens.train, cfg.seq_len, cfg.batch_size, i, cfg.workers, cfg.seed)
-            for i in range(cfg.workers)
-        ]
+        self.setup = setup = TrainingSetup(cfg)
+        self.num_params = setup.num_params
+        self.codec = setup.codec
         self.link = Link(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6)
-        self.step_time = cfg.step_time
-        if self.step_time is None and AUTO in (cfg.overlap, cfg.transmissions):
-            self.step_time = measure_step_time(base, shards[0], self.inner)
-        self.settings = self._resolve_auto(base)
+        self.step_time = setup.step_time() if setup.needs_step_time() else cfg.step_time
+        self.settings = setup.settings(self.link.latency_s, self.link.bandwidth_bps, self.step_time)
         self.workers = []
-        for shard in shards:
-            model = copy.deepcopy(base)
-            strategy = make_strategy(model, self.settings, self.inner.decay_between)
-            self.workers.append(Worker(InnerTrainer(model, self.inner), shard, strategy))
-        self.eval_model = copy.deepcopy(base)
+        for i in range(cfg.workers):
+            trainer, strategy = setup.replica(self.settings)
+            self.workers.append(Worker(trainer, setup.shard(i, cfg.workers), strategy))
+        self.eval_model = copy.deepcopy(setup.base)
         self.clock = 0.0
         self.stall = 0.0
         self.bytes_sent = 0
         self.pending: dict[int, PendingResult] = {}
-
-    def _resolve_auto(self, model: nn.Module) -> AlgoSettings:
-        """Turn --overlap auto / --transmissions auto into numbers from step time and link speed."""
-        cfg = self.cfg
-        if AUTO not in (cfg.overlap, cfg.transmissions):
-            return cfg.algo_settings()
-        if cfg.algo in ("streaming", "cocodc"):
-            sizes = [f.numel for f in make_fragments(model, cfg.fragments, cfg.pattern)]
-        else:
-            sizes = [self.num_params]
-        wire = [allreduce_wire_bytes(self.codec, n, cfg.workers) for n in sizes]
-        times = [self.link.transfer_time(w) for w in wire]
-        assert self.step_time is not None
-        overlap = transmissions = None
-        if cfg.overlap == AUTO:
-            overlap = math.ceil(max(times) / self.step_time - 1e-9)
-            if overlap >= cfg.inner_steps:
-                raise UserError(
-                    f"--overlap auto: a fragment transfer takes {max(times):.2f} s = {overlap} inner "
-                    f"steps, not less than --inner-steps {cfg.inner_steps}; raise --inner-steps, "
-                    "--fragments or --bandwidth-mbps, or pick a smaller --codec"
-                )
-        if cfg.transmissions == AUTO:
-            mean_time = sum(times) / len(times)
-            fitting = math.floor(cfg.inner_steps * self.step_time / mean_time)
-            transmissions = min(cfg.inner_steps, max(1, fitting))
-        return cfg.algo_settings(overlap=overlap, transmissions=transmissions)
 
     # ---- the run ----
 
@@ -241,34 +192,16 @@ class Simulation:
         return self.workers[0].strategy.global_state()
 
     def _evaluate(self, step: int, log: RunLog, train_losses: list[float]) -> dict[str, Any]:
-        self.eval_model.load_state_dict(self.global_state())
-        loss = evaluate(self.eval_model, self.val_batches)
-        record = {
-            "kind": "eval",
-            "step": step,
-            "sim_time_s": self.clock,
-            "val_loss": loss,
-            "val_ppl": perplexity(loss),
-            "train_loss": sum(train_losses) / len(train_losses) if train_losses else None,
-            "bytes_sent": self.bytes_sent,
-            "stall_s": self.stall,
-            "tokens": step * self.cfg.workers * self.cfg.batch_size * self.cfg.seq_len,
-        }
+        record = self.setup.eval_record(self.eval_model, self.global_state(), step, self.cfg.workers)
+        record.update(
+            sim_time_s=self.clock,
+            train_loss=sum(train_losses) / len(train_losses) if train_losses else None,
+            bytes_sent=self.bytes_sent,
+            stall_s=self.stall,
+        )
         train_losses.clear()
         log.write(record)
         if step == 0:
             self.first_eval = record
         self.last_eval = record
         return record
-
-
-def measure_step_time(model: nn.Module, shard: Shard, inner: InnerSettings, repeats: int = 3) -> float:
-    """Median seconds of one inner step, timed on a throwaway copy so training state is untouched."""
-    trainer = InnerTrainer(copy.deepcopy(model), inner)
-    trainer.step(*shard.batch(0), 1)  # warm-up: allocations, kernels
-    times = []
-    for i in range(repeats):
-        started = time.perf_counter()
-        trainer.step(*shard.batch(i + 1), 1)
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]

@@ -194,7 +194,7 @@ def test_single_worker_diloco_with_plain_outer_step_equals_adamw() -> None:
     sim = Simulation(cfg.validate())
     reference_model = copy.deepcopy(sim.workers[0].trainer.model)
     initial = copy.deepcopy(reference_model.state_dict())
-    reference = InnerTrainer(reference_model, sim.inner)
+    reference = InnerTrainer(reference_model, sim.setup.inner)
     sim.run(RunLog(None))
     for step in range(1, cfg.steps + 1):
         reference.step(*sim.workers[0].shard.batch(step - 1), step)

@@ -137,6 +137,12 @@ class Strategy:
         fragment.write(self.merge(fragment, new_global, pending, step))
         self.schedule.record_result(p, averaged)
 
+    def abandon(self, p: int) -> None:
+        """The sync of fragment p failed: θ̄_p and the replica stay as they are, p may be sent again.
+
+        Consistent across replicas as long as every replica abandons the same syncs."""
+        self.in_flight.pop(p)
+
     def merge(
         self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int
     ) -> torch.Tensor:

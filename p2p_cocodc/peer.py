@@ -1,0 +1,369 @@
+"""The peer: one region's asyncio program (uvloop) driving the core's strategy over the swarm.
+
+Each inner step runs in a dedicated training thread, so the event loop stays free to serve the
+fragment exchange of other peers. Between two steps the loop applies every fragment result that is
+due (waiting for it if it is not back: that wait is the recorded stall) and starts the syncs the
+schedule asks for as background tasks. A heartbeat task publishes this peer's record and refreshes
+its view of the others. Peer i computes exactly what simulator worker i computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy
+from p2p_cocodc.config import TrainConfig
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.metrics import RunLog, params_sha256
+from p2p_cocodc.swarm.dht import parse_bootstrap, start_dht
+from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed
+from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
+from p2p_cocodc.training import TrainingSetup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SwarmOptions:
+    """How this peer finds and joins the swarm; none of it changes what is computed."""
+
+    bootstrap: str
+    run_id: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce: str | None = None
+    shard: tuple[int, int] | None = None
+    wait_peers_s: float = 300.0
+    round_timeout_s: float = 60.0
+    heartbeat_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
+            raise UserError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 ≤ I < N")
+        for name in ("wait_peers_s", "round_timeout_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"--{name.replace('_s', '').replace('_', '-')} must be > 0 seconds")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit():
+        raise UserError(f"--shard {text!r}: write it as I/N, for example 0/3")
+    return int(index), int(count)
+
+
+def fingerprint(setup: TrainingSetup, settings: AlgoSettings) -> str:
+    """What every peer of a run must share: algorithm, optimizers, model, data, codec, M."""
+    cfg = setup.cfg
+    digest = hashlib.sha256(setup.tokens.train.numpy().tobytes()).hexdigest()[:16]
+    shared = {
+        "algo": asdict(settings),
+        "inner": asdict(setup.inner),
+        "model": cfg.model,
+        "data": digest,
+        "vocab": setup.tokens.vocab_size,
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+        "codec": cfg.codec,
+        "workers": cfg.workers,
+    }
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class Peer:
+    """One region of a run; ``run`` trains, writes records like ``simulate``, returns the summary."""
+
+    def __init__(self, cfg: TrainConfig, opts: SwarmOptions) -> None:
+        if opts.shard is not None and opts.shard[1] != cfg.workers:
+            raise UserError(
+                f"--shard {opts.shard[0]}/{opts.shard[1]}: N must equal --workers {cfg.workers} "
+                "(the number of peers the run's data is split among)"
+            )
+        self.cfg = cfg
+        self.opts = opts
+        self.setup = TrainingSetup(cfg)
+        step_time = self.setup.step_time() if self.setup.needs_step_time() else cfg.step_time
+        self.settings = self.setup.settings(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6, step_time)
+        self.fingerprint = fingerprint(self.setup, self.settings)
+        self.trainer, self.strategy = self.setup.replica(self.settings)
+        self.eval_model = copy.deepcopy(self.setup.base)
+        self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
+        self.view: dict[str, PeerRecord] = {}
+        self.state = "waiting"
+        self.step = 0
+        self.step_time_s = step_time or 0.0
+        self.stall_s = 0.0
+        self.versions = [0] * len(self.strategy.fragments) if isinstance(self.strategy, Strategy) else [0]
+        self.pending: dict[int, asyncio.Task[torch.Tensor]] = {}
+        self.shard_index: int | None = opts.shard[0] if opts.shard else None
+        self.exchange: FragmentExchange | None = None
+
+    # ---- lifecycle ----
+
+    async def run(self, log_file: RunLog, progress: Any = None) -> dict[str, Any]:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        initial = await asyncio.to_thread(parse_bootstrap, self.opts.bootstrap)
+        # Created on the main thread: the at-fork death signal is tied to the forking thread.
+        dht = start_dht(initial, self.opts.host, self.opts.port, self.opts.announce)
+        heartbeat: asyncio.Task[None] | None = None
+        try:
+            p2p = await dht.replicate_p2p()
+            self.peer_id = p2p.peer_id.to_base58()
+            board = Board(dht, self.opts.run_id, self.peer_id, ttl_s=4 * self.opts.heartbeat_s)
+            await self._refresh(board)
+            heartbeat = asyncio.create_task(self._heartbeat(board))
+            await self._wait_for_peers(stop)
+            self.exchange = FragmentExchange(
+                p2p,
+                self.opts.run_id,
+                self.setup.codec,
+                self.shard_index,  # type: ignore[arg-type]
+                self.fingerprint,
+                lambda: self.view,
+                self.opts.round_timeout_s,
+            )
+            await self.exchange.start()
+            self.state = "training"
+            await self._refresh(board)
+            await self._wait_for_start(stop)
+            summary = await self._train(log_file, stop, progress)
+            self.state = "done"
+            await self._refresh(board)
+            await self.exchange.stop()
+            return summary
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+            for task in self.pending.values():
+                task.cancel()
+            self.train_pool.shutdown(wait=True, cancel_futures=True)
+            dht.shutdown()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def _record(self) -> PeerRecord:
+        ex = self.exchange
+        return PeerRecord(
+            state=self.state,
+            step=self.step,
+            shard=self.shard_index,
+            num_shards=self.cfg.workers,
+            step_time_s=self.step_time_s,
+            bandwidth_mbps=ex.stats.bandwidth_mbps if ex else 0.0,
+            fingerprint=self.fingerprint,
+            versions=list(self.versions),
+            stall_s=self.stall_s,
+            bytes_sent=ex.stats.bytes_sent if ex else 0,
+        )
+
+    async def _refresh(self, board: Board) -> None:
+        run_info = {"algo": self.cfg.algo, "model": self.cfg.model, "workers": self.cfg.workers}
+        await board.publish(self._record(), run_info)
+        self.view = await board.peers()
+
+    async def _heartbeat(self, board: Board) -> None:
+        while True:
+            await asyncio.sleep(self.opts.heartbeat_s)
+            try:
+                await self._refresh(board)
+            except ConnectionError as exc:
+                log.warning("notice board unreachable: %s", exc)
+
+    async def _wait_for_peers(self, stop: asyncio.Event) -> None:
+        """Block until --workers peers of this run are live, then settle this peer's data shard."""
+        deadline = time.monotonic() + self.opts.wait_peers_s
+        while True:
+            same = {p: r for p, r in self.view.items() if r.fingerprint == self.fingerprint}
+            for peer, record in self.view.items():
+                if record.fingerprint != self.fingerprint and record.state in ("waiting", "training"):
+                    raise UserError(
+                        f"peer {peer[:12]} of run {self.opts.run_id!r} uses a different configuration: "
+                        "start every peer with the same options (or profile), or pick another --run-id"
+                    )
+            training = [p for p, r in same.items() if r.state == "training" and p != self.peer_id]
+            if len(training) >= self.cfg.workers:
+                raise UserError(
+                    f"run {self.opts.run_id!r} already trains with {len(training)} peers (--workers "
+                    f"{self.cfg.workers}); joining a run in progress is not supported yet: use another "
+                    "--run-id"
+                )
+            live = sorted(p for p, r in same.items() if r.state in ("waiting", "training"))
+            if len(live) >= self.cfg.workers and self.peer_id in live:
+                self._settle_shard(live, same)
+                return
+            self._check_wait(stop, deadline, f"only {len(live)} of --workers {self.cfg.workers} peers joined")
+            await asyncio.sleep(0.2)
+
+    async def _wait_for_start(self, stop: asyncio.Event) -> None:
+        """Start step 1 only once every peer shows 'training': then all agree on each round's leader."""
+        deadline = time.monotonic() + self.opts.wait_peers_s
+        while True:
+            training = [
+                r for r in self.view.values() if r.fingerprint == self.fingerprint and r.state == "training"
+            ]
+            if len(training) >= self.cfg.workers:
+                return
+            self._check_wait(stop, deadline, f"only {len(training)} of {self.cfg.workers} peers started")
+            await asyncio.sleep(0.2)
+
+    def _check_wait(self, stop: asyncio.Event, deadline: float, what: str) -> None:
+        if stop.is_set():
+            raise UserError("interrupted while waiting for peers")
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"{what} run {self.opts.run_id!r} within {self.opts.wait_peers_s:.0f} s "
+                "(--wait-peers); start the others, or lower --workers"
+            )
+
+    def _settle_shard(self, live: list[str], records: dict[str, PeerRecord]) -> None:
+        if len(live) > self.cfg.workers:
+            raise UserError(
+                f"{len(live)} peers joined run {self.opts.run_id!r} but --workers is {self.cfg.workers}: "
+                "give every peer the same --workers, or use another --run-id"
+            )
+        if self.shard_index is None:
+            self.shard_index = live.index(self.peer_id)
+        taken = {r.shard: p for p, r in records.items() if r.shard is not None and p != self.peer_id}
+        if self.shard_index in taken:
+            raise UserError(
+                f"--shard {self.shard_index}/{self.cfg.workers} is already read by peer "
+                f"{taken[self.shard_index][:12]}: give each peer its own shard"
+            )
+
+    # ---- training ----
+
+    async def _in_train_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.train_pool, fn, *args)
+
+    async def _train(self, log_file: RunLog, stop: asyncio.Event, progress: Any) -> dict[str, Any]:
+        cfg = self.cfg
+        assert self.shard_index is not None and self.exchange is not None
+        shard = self.setup.shard(self.shard_index, cfg.workers)
+        started = time.perf_counter()
+        train_losses: list[float] = []
+        first = last = await self._evaluate(0, started, train_losses, log_file)
+        for step in range(1, cfg.steps + 1):
+            if stop.is_set():
+                log.warning("stopping after step %d on a signal", self.step)
+                break
+            t0 = time.perf_counter()
+            train_losses.append(await self._inner_step(step, *shard.batch(step - 1)))
+            elapsed = time.perf_counter() - t0
+            self.step_time_s = elapsed if step == 1 else 0.9 * self.step_time_s + 0.1 * elapsed
+            self.step = step
+            if isinstance(self.strategy, Strategy):
+                await self._apply_due(step)
+                self._send(step)
+                await self._apply_due(step)
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                last = await self._evaluate(step, started, train_losses, log_file)
+            if progress is not None:
+                progress(step, last if last["step"] == step else {})
+        await self._finish_in_flight()
+        if last["step"] != self.step:
+            last = await self._evaluate(self.step, started, train_losses, log_file)
+        summary = {
+            "kind": "summary",
+            "algo": cfg.algo,
+            "steps": self.step,
+            "final_val_loss": last["val_loss"],
+            "final_val_ppl": last["val_ppl"],
+            "initial_val_ppl": first["val_ppl"],
+            "bytes_sent": self.exchange.stats.bytes_sent,
+            "stall_s": self.stall_s,
+            "wall_time_s": time.perf_counter() - started,
+            "step_time_s": self.step_time_s,
+            "overlap": self.settings.overlap,
+            "transmissions": self.settings.transmissions,
+            "num_params": self.setup.num_params,
+            "rounds_done": self.exchange.stats.rounds_done,
+            "rounds_failed": self.exchange.stats.rounds_failed,
+            "peer_id": self.peer_id,
+            "shard": self.shard_index,
+            "global_params_sha256": params_sha256(self.strategy.global_state()),
+            "config": asdict(cfg),
+        }
+        log_file.write(summary)
+        return summary
+
+    async def _inner_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        if not isinstance(self.strategy, DataParallel):
+            loss = await self._in_train_thread(self.trainer.step, x, y, step)
+        else:  # ddp: the gradient all-reduce sits between backward and the optimizer step
+            assert self.exchange is not None
+            loss = await self._in_train_thread(self.trainer.backward, x, y)
+            started = time.perf_counter()
+            averaged = await self.exchange.allreduce(f"g:{step}", self.strategy.gradient_payload(), step)
+            self.stall_s += time.perf_counter() - started
+            self.strategy.apply_gradients(averaged)
+            await self._in_train_thread(self.trainer.update, step)
+        if not torch.isfinite(torch.tensor(loss)):
+            raise UserError(f"training diverged at step {step} (loss {loss}): lower --lr or --outer-lr")
+        return loss
+
+    def _send(self, step: int) -> None:
+        assert isinstance(self.strategy, Strategy) and self.exchange is not None
+        for p in self.strategy.sends_after(step):
+            payload = self.strategy.payload(p, step)
+            self.pending[p] = asyncio.create_task(self.exchange.allreduce(f"f{p}:{step}", payload, step))
+
+    async def _apply_due(self, step: int) -> None:
+        assert isinstance(self.strategy, Strategy)
+        for p in self.strategy.due(step):
+            task = self.pending.pop(p)
+            waited = time.perf_counter()
+            try:
+                averaged = await task
+            except RoundFailed as exc:
+                log.warning("sync of fragment %d after step %d failed (%s); skipped", p, step, exc)
+                self.strategy.abandon(p)
+                continue
+            finally:
+                self.stall_s += time.perf_counter() - waited
+            self.strategy.apply(p, averaged, step)
+            self.versions[p] += 1
+
+    async def _finish_in_flight(self) -> None:
+        """Let the syncs still running finish (the other peers need our slices); apply none of
+        them, as the simulator's run ends with them unapplied."""
+        if self.pending:
+            await asyncio.wait(self.pending.values(), timeout=self.opts.round_timeout_s * 2)
+        for task in self.pending.values():
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is not None:
+                log.info("a final sync failed: %s", task.exception())
+        self.pending.clear()
+
+    async def _evaluate(
+        self, step: int, started: float, train_losses: list[float], log_file: RunLog
+    ) -> dict[str, Any]:
+        state = self.strategy.global_state()
+        record = await self._in_train_thread(
+            self.setup.eval_record, self.eval_model, state, step, self.cfg.workers
+        )
+        record.update(
+            wall_time_s=time.perf_counter() - started,
+            train_loss=sum(train_losses) / len(train_losses) if train_losses else None,
+            bytes_sent=self.exchange.stats.bytes_sent if self.exchange else 0,
+            stall_s=self.stall_s,
+        )
+        train_losses.clear()
+        log_file.write(record)
+        return record

@@ -1,0 +1,128 @@
+"""Starting a hivemind DHT node safely, and turning what a user typed into bootstrap multiaddrs.
+
+hivemind owns discovery, identity and transport. What this module adds is what the probe showed we
+must: ``nat_port_map`` always off, helper processes that die with their parent, and every failure
+to reach a bootstrap turned into one clear line instead of a hang or a traceback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+from typing import Any
+
+from p2p_cocodc.errors import UserError
+
+PR_SET_PDEATHSIG = 1
+_pdeathsig_installed = False
+
+
+def install_pdeathsig() -> None:
+    """Make every process forked from here on die with its parent (hivemind's DHT child and p2pd).
+
+    Without it, SIGKILL of a peer leaves its DHT process and p2pd running forever. Call it from the
+    main thread before creating any hivemind object: the signal fires when the forking thread ends.
+    """
+    global _pdeathsig_installed
+    if _pdeathsig_installed:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def _die_with_parent() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    os.register_at_fork(after_in_child=_die_with_parent)
+    _pdeathsig_installed = True
+
+
+def parse_bootstrap(addr: str, timeout: float = 10.0) -> list[str]:
+    """Multiaddrs of a bootstrap given as a full multiaddr or as the ``host:port`` it printed.
+
+    ``host:port`` is the bootstrap's HTTP status address; its ``/address`` answer lists the
+    multiaddrs (libp2p cannot dial a peer without knowing its id).
+    """
+    addr = addr.strip()
+    if addr.startswith("/"):
+        _check_multiaddr(addr)
+        return [addr]
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(
+            f"--bootstrap {addr!r}: give a multiaddr (/ip4/HOST/tcp/PORT/p2p/ID) or the HOST:PORT "
+            "that `p2p-cocodc bootstrap` printed"
+        )
+    url = f"http://{host}:{port}/address"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            answer: Any = json.loads(response.read(64 * 1024))
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UserError(
+            f"--bootstrap {addr}: no p2p-cocodc bootstrap answers at {url} ({reason}); is it running, "
+            "and is that the HOST:PORT it printed?"
+        ) from None
+    except ValueError:
+        raise UserError(f"--bootstrap {addr}: {url} did not answer with a bootstrap address") from None
+    maddrs = answer.get("maddrs") if isinstance(answer, dict) else None
+    if not isinstance(maddrs, list) or not maddrs or not all(isinstance(m, str) for m in maddrs):
+        raise UserError(f"--bootstrap {addr}: {url} did not answer with a bootstrap address")
+    for m in maddrs:
+        _check_multiaddr(m)
+    return maddrs
+
+
+def _check_multiaddr(addr: str) -> None:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        parsed = Multiaddr(addr)
+    except Exception:  # noqa: BLE001 - the multiaddr parser raises many types for bad text
+        raise UserError(f"--bootstrap {addr!r} is not a valid multiaddr") from None
+    if "p2p" not in [p.name for p in parsed.protocols()]:
+        raise UserError(f"--bootstrap {addr!r} lacks the peer id: it must end in /p2p/<peer id>")
+
+
+def listen_maddrs(host: str, port: int) -> list[str]:
+    """libp2p listen multiaddrs for a host given as IPv4, IPv6 or a name."""
+    if not 0 <= port < 65536:
+        raise UserError(f"--port must be in [0, 65535], got {port}")
+    if ":" in host:
+        return [f"/ip6/{host}/tcp/{port}"]
+    if host.replace(".", "").isdigit():
+        return [f"/ip4/{host}/tcp/{port}"]
+    return [f"/dns/{host}/tcp/{port}"]
+
+
+def start_dht(
+    initial_peers: list[str],
+    host: str,
+    port: int,
+    announce: str | None = None,
+    identity_path: str | None = None,
+) -> Any:
+    """A running hivemind.DHT, or UserError naming the address that failed."""
+    install_pdeathsig()
+    import hivemind
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    kwargs: dict[str, Any] = {"host_maddrs": listen_maddrs(host, port), "nat_port_map": False}
+    if announce:
+        kwargs["announce_maddrs"] = listen_maddrs(announce, port) if port else None
+        if not port:
+            raise UserError("--announce needs a fixed --port: the announced address must be dialable")
+    if identity_path is not None:
+        kwargs["identity_path"] = identity_path
+    try:
+        return hivemind.DHT(initial_peers=initial_peers or None, start=True, **kwargs)
+    except P2PDaemonError as exc:
+        detail = str(exc).split(": ", 1)[-1].strip()
+        if initial_peers:
+            raise UserError(
+                f"cannot join the swarm through {', '.join(initial_peers)} ({detail}): is the bootstrap "
+                "running and reachable from here?"
+            ) from None
+        raise UserError(f"cannot start the DHT on {host}:{port} ({detail}): is the port free?") from None

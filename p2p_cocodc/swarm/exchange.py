@@ -1,0 +1,350 @@
+"""The fragment exchange: one averaging round of a flat fp32 vector among the live peers of a run.
+
+A round (say fragment 2 sent after inner step 96, id ``f2:96``) runs in two phases, all over
+streams of hivemind's libp2p daemon (``dht.replicate_p2p()``), never sockets of our own:
+
+1. **Group.** Every peer sends ``join`` to the round's leader, the live peer with the smallest id.
+   The leader waits until every peer the notice board shows training has joined, or until a
+   deadline derived from their published step and step time, then answers every joiner with the
+   same ordered member list (by data shard, the simulator's worker order). A peer that misses the
+   deadline is left out of that round.
+2. **Butterfly all-reduce.** The vector is cut into one slice per member, on codec block edges.
+   Each member sends slice j, encoded with the run's codec, to member j; member j averages the
+   slices it received in member order (the simulator's order, so fp32 results are bit-equal to it),
+   encodes the mean and sends it to every member. Everyone decodes the same bytes, so every peer
+   ends the round with a bit-identical average, and each link carries 2(M−1)/M of the vector.
+
+Every wait has a deadline; a round that cannot complete raises ``RoundFailed`` on its own, and the
+peer decides what to do. Received payloads are decoded in one place, ``_decode``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from p2p_cocodc.codecs import Codec, mean_in_order
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.swarm.records import PeerRecord
+from p2p_cocodc.swarm.wire import (
+    BadMessage,
+    Request,
+    parse_members,
+    parse_request,
+    read_frame,
+    write_frame,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_OPEN_ROUNDS = 256  # rounds other peers may open here before this peer reaches them
+MESSAGE_TIMEOUT_S = 30.0  # one message (not a whole round) must arrive within this
+
+
+class RoundFailed(Exception):
+    """This round could not complete on this peer; the reason says why."""
+
+
+@dataclass
+class RoundState:
+    """What has arrived for one round; handlers fill it, the round's own task consumes it."""
+
+    joins: dict[str, int] = field(default_factory=dict)  # leader only: peer id -> shard
+    members: asyncio.Future[list[tuple[str, int]]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    parts: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)  # sender -> (slice, n, data)
+    results: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    created: float = field(default_factory=time.monotonic)
+
+    def notify(self) -> None:
+        self.changed.set()
+
+    async def wait_until(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
+        while not ready():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RoundFailed(f"timed out waiting for {what}")
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), min(remaining, 0.5))
+            except TimeoutError:
+                pass
+
+
+def slice_bounds(numel: int, parts: int, block: int) -> list[int]:
+    """Element offsets cutting ``numel`` values into ``parts`` slices on multiples of ``block``."""
+    blocks = -(-numel // block)
+    return [min(numel, block * (blocks * i // parts)) for i in range(parts + 1)]
+
+
+@dataclass
+class ExchangeStats:
+    bytes_sent: int = 0
+    rounds_done: int = 0
+    rounds_failed: int = 0
+    bandwidth_mbps: float = 0.0  # moving average of measured send throughput
+
+    def record_send(self, num_bytes: int, seconds: float) -> None:
+        self.bytes_sent += num_bytes
+        if num_bytes >= 64 * 1024 and seconds > 0:
+            mbps = 8e-6 * num_bytes / seconds
+            self.bandwidth_mbps = mbps if not self.bandwidth_mbps else 0.8 * self.bandwidth_mbps + 0.2 * mbps
+
+
+class FragmentExchange:
+    """Serves and runs averaging rounds for one peer of one run."""
+
+    def __init__(
+        self,
+        p2p: Any,
+        run_id: str,
+        codec: Codec,
+        shard: int,
+        fingerprint: str,
+        board_view: Callable[[], dict[str, PeerRecord]],
+        round_timeout_s: float,
+    ) -> None:
+        self.p2p = p2p
+        self.peer_id = p2p.peer_id.to_base58()
+        self.protocol = f"p2p-cocodc/{run_id}/exchange/1"
+        self.codec = codec
+        self.shard = shard
+        self.fingerprint = fingerprint
+        self.board_view = board_view
+        self.round_timeout_s = round_timeout_s
+        self.rounds: dict[str, RoundState] = {}
+        self.finished: set[str] = set()
+        self.stats = ExchangeStats()
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.protocol, self._serve)
+
+    async def stop(self) -> None:
+        try:
+            await self.p2p.remove_binary_stream_handler(self.protocol)
+        except Exception:  # noqa: BLE001 - the daemon may already be gone at shutdown
+            log.debug("could not remove the stream handler", exc_info=True)
+
+    # ---- running a round ----
+
+    async def allreduce(self, round_id: str, vector: torch.Tensor, step: int) -> torch.Tensor:
+        """The mean of ``vector`` over this round's members (this peer included)."""
+        state = self._round(round_id)
+        try:
+            members = await self._form_group(round_id, state, step)
+            averaged = await self._butterfly(round_id, state, members, vector)
+        except RoundFailed:
+            self.stats.rounds_failed += 1
+            raise
+        finally:
+            self.rounds.pop(round_id, None)
+            self.finished.add(round_id)
+        self.stats.rounds_done += 1
+        return averaged
+
+    def _live_training(self) -> dict[str, PeerRecord]:
+        view = self.board_view()
+        return {p: r for p, r in view.items() if r.state == "training" and r.fingerprint == self.fingerprint}
+
+    def _leader(self, exclude: set[str]) -> str:
+        candidates = (set(self._live_training()) | {self.peer_id}) - exclude
+        return min(candidates)
+
+    async def _form_group(self, round_id: str, state: RoundState, step: int) -> list[tuple[str, int]]:
+        tried: set[str] = set()
+        while True:
+            leader = self._leader(tried)
+            if leader == self.peer_id:
+                return await self._lead(state, step)
+            reply = await self._join_via(leader, round_id)
+            if reply is None:  # the leader is gone: the next smallest id leads
+                tried.add(leader)
+                continue
+            if "redirect" in reply:
+                if not isinstance(reply["redirect"], str) or reply["redirect"] in tried | {leader}:
+                    raise RoundFailed(f"leader {leader[:12]} sent a bad redirect")
+                tried.add(leader)
+                continue
+            if not reply.get("ok"):
+                raise RoundFailed(f"leader {leader[:12]} refused: {reply.get('error', '?')}")
+            try:
+                members = parse_members(reply)
+            except BadMessage as exc:
+                raise RoundFailed(f"leader {leader[:12]} sent a bad member list: {exc}") from None
+            if self.peer_id not in [p for p, _ in members]:
+                raise RoundFailed("left out of the round (joined after the leader's deadline)")
+            return members
+
+    async def _join_via(self, leader: str, round_id: str) -> dict[str, Any] | None:
+        """Ask ``leader`` for the round's members; None if it died or vanished from the board."""
+        request = Request("join", round_id, shard=self.shard, fingerprint=self.fingerprint)
+        call = asyncio.ensure_future(self._call(leader, request, self.round_timeout_s * 4))
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=0.5)
+                if done:
+                    return call.result()
+                if leader not in self._live_training():
+                    call.cancel()
+                    return None
+        except ConnectionError as exc:
+            log.info("leader %s unreachable (%s); trying the next", leader[:12], exc)
+            return None
+
+    async def _lead(self, state: RoundState, step: int) -> list[tuple[str, int]]:
+        """Wait for the expected peers to join, then publish the ordered member list."""
+        state.joins[self.peer_id] = self.shard
+        deadline = time.monotonic() + self._arrival_eta(step) * 2 + self.round_timeout_s
+
+        def everyone_joined() -> bool:
+            return set(self._live_training()) <= set(state.joins)
+
+        try:
+            await state.wait_until(everyone_joined, deadline, "peers to join")
+        except RoundFailed:
+            missing = set(self._live_training()) - set(state.joins)
+            log.warning("round forms without %s (not at the step in time)", [m[:12] for m in missing])
+        members = sorted(state.joins.items(), key=lambda item: (item[1], item[0]))
+        state.members.set_result(members)
+        return members
+
+    def _arrival_eta(self, step: int) -> float:
+        """Seconds until the slowest live peer reaches ``step``, from the board."""
+        etas = [max(step - r.step, 0) * r.step_time_s for r in self._live_training().values()]
+        return max(etas, default=0.0)
+
+    async def _butterfly(
+        self, round_id: str, state: RoundState, members: list[tuple[str, int]], vector: torch.Tensor
+    ) -> torch.Tensor:
+        peers = [p for p, _ in members]
+        me = peers.index(self.peer_id)
+        numel = vector.numel()
+        bounds = slice_bounds(numel, len(peers), self.codec.block)
+        sizes = [bounds[j + 1] - bounds[j] for j in range(len(peers))]
+        encoded = await asyncio.to_thread(
+            lambda: [self.codec.encode(vector[bounds[j] : bounds[j + 1]]) for j in range(len(peers))]
+        )
+        deadline = time.monotonic() + self.round_timeout_s
+        state.parts[self.peer_id] = (me, sizes[me], encoded[me])
+        others = [j for j in range(len(peers)) if j != me]
+        await self._send_all(round_id, "part", {peers[j]: (j, sizes[j], encoded[j]) for j in others})
+        await state.wait_until(lambda: set(peers) <= set(state.parts), deadline, "slices from every member")
+
+        def average_own_slice() -> bytes:
+            received = [self._decode(state.parts, p, me, sizes[me]) for p in peers]
+            return self.codec.encode(mean_in_order(received))
+
+        mean_bytes = await asyncio.to_thread(average_own_slice)
+        state.results[self.peer_id] = (me, sizes[me], mean_bytes)
+        await self._send_all(round_id, "result", {peers[j]: (me, sizes[me], mean_bytes) for j in others})
+        await state.wait_until(lambda: set(peers) <= set(state.results), deadline, "averaged slices")
+        return await asyncio.to_thread(
+            lambda: torch.cat([self._decode(state.results, p, j, sizes[j]) for j, p in enumerate(peers)])
+        )
+
+    def _decode(
+        self, box: dict[str, tuple[int, int, bytes]], sender: str, index: int, numel: int
+    ) -> torch.Tensor:
+        """The one place received payloads are checked: right slice, right size, finite values."""
+        got_index, got_numel, data = box[sender]
+        if got_index != index or got_numel != numel:
+            raise RoundFailed(
+                f"peer {sender[:12]} sent slice {got_index} of {got_numel} values, expected slice "
+                f"{index} of {numel}"
+            )
+        try:
+            return self.codec.decode(data, numel)
+        except UserError as exc:
+            raise RoundFailed(f"peer {sender[:12]} sent a bad payload: {exc}") from None
+
+    async def _send_all(self, round_id: str, kind: str, slices: dict[str, tuple[int, int, bytes]]) -> None:
+        async def send(peer: str, index: int, numel: int, data: bytes) -> None:
+            started = time.perf_counter()
+            reply = await self._call(peer, Request(kind, round_id, slice_index=index, numel=numel, data=data))
+            if not reply.get("ok"):
+                raise RoundFailed(f"peer {peer[:12]} refused our {kind}: {reply.get('error', '?')}")
+            self.stats.record_send(len(data), time.perf_counter() - started)
+
+        results = await asyncio.gather(
+            *(send(p, *item) for p, item in slices.items()), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, ConnectionError):
+                raise RoundFailed(f"a member is unreachable: {result}")
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _call(self, peer: str, request: Request, timeout: float = MESSAGE_TIMEOUT_S) -> dict[str, Any]:
+        """One request and its reply; every failure of the transport becomes ConnectionError."""
+        from hivemind.p2p import PeerID
+
+        writer = None
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.protocol),
+                MESSAGE_TIMEOUT_S,
+            )
+            await asyncio.wait_for(write_frame(writer, request.to_wire()), MESSAGE_TIMEOUT_S)
+            return await read_frame(reader, timeout)
+        except (BadMessage, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            raise ConnectionError(f"{request.kind} to {peer[:12]}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base
+            raise ConnectionError(f"{request.kind} to {peer[:12]}: {type(exc).__name__}: {exc}") from None
+        finally:
+            if writer is not None:
+                writer.close()
+
+    # ---- serving other peers ----
+
+    def _round(self, round_id: str) -> RoundState:
+        state = self.rounds.get(round_id)
+        if state is None:
+            if len(self.rounds) >= MAX_OPEN_ROUNDS:
+                raise BadMessage("too many open rounds")
+            state = self.rounds[round_id] = RoundState()
+        return state
+
+    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = info.peer_id.to_base58()  # authenticated by libp2p; never taken from the payload
+        try:
+            request = parse_request(await read_frame(reader, MESSAGE_TIMEOUT_S))
+            reply = await self._dispatch(sender, request)
+        except BadMessage as exc:
+            log.warning("bad message from %s: %s", sender[:12], exc)
+            reply = {"ok": False, "error": str(exc)}
+        try:
+            await asyncio.wait_for(write_frame(writer, reply), MESSAGE_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            log.debug("could not answer %s", sender[:12])
+        finally:
+            writer.close()
+
+    async def _dispatch(self, sender: str, request: Request) -> dict[str, Any]:
+        if request.round_id in self.finished:
+            return {"ok": False, "error": f"round {request.round_id} is over here"}
+        state = self._round(request.round_id)
+        if request.kind != "join":
+            box = state.parts if request.kind == "part" else state.results
+            box[sender] = (request.slice_index, request.numel, request.data)
+            state.notify()
+            return {"ok": True}
+        if request.fingerprint != self.fingerprint:
+            return {"ok": False, "error": "your config differs from this run's (fingerprint mismatch)"}
+        leader = self._leader(exclude=set())
+        if leader != self.peer_id:
+            return {"redirect": leader}
+        state.joins[sender] = request.shard
+        state.notify()
+        try:
+            members = await asyncio.wait_for(asyncio.shield(state.members), self.round_timeout_s * 4)
+        except TimeoutError:
+            return {"ok": False, "error": "this leader never reached the round"}
+        return {"ok": True, "members": [list(m) for m in members]}

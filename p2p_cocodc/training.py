@@ -1,0 +1,120 @@
+"""What every driver builds the same way from one config: data, model, replicas, evaluation.
+
+The simulator builds M replicas from it and a peer builds one; because both go through here, peer i
+of a swarm and worker i of a simulation start from identical weights and read identical batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from p2p_cocodc.algorithms.fragments import make_fragments
+from p2p_cocodc.algorithms.inner import InnerSettings, InnerTrainer, evaluate
+from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
+from p2p_cocodc.codecs import Codec, get_codec
+from p2p_cocodc.config import AUTO, TrainConfig
+from p2p_cocodc.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.metrics import perplexity
+from p2p_cocodc.model import build_model, count_parameters
+
+
+class TrainingSetup:
+    """Tokenized data, the initial model (seeded), optimizer settings, codec, validation batches."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        corpus = load_corpus(cfg.data)
+        tokenizer = load_tokenizer(cfg.tokenizer, corpus)
+        self.tokens = tokenize_corpus(corpus, tokenizer)
+        torch.manual_seed(cfg.seed)
+        self.base = build_model(cfg.model, self.tokens.vocab_size, cfg.seq_len)
+        self.num_params = count_parameters(self.base)
+        self.inner = cfg.inner_settings()
+        self.codec: Codec = get_codec(cfg.codec)
+        self.val_batches = validation_batches(self.tokens.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+
+    def shard(self, index: int, count: int) -> Shard:
+        """Worker ``index`` of ``count`` reads this disjoint, deterministic part of the train split."""
+        return Shard(self.tokens.train, self.cfg.seq_len, self.cfg.batch_size, index, count, self.cfg.seed)
+
+    def replica(self, settings: AlgoSettings) -> tuple[InnerTrainer, Strategy | DataParallel]:
+        """A fresh copy of the initial model with its inner optimizer and strategy."""
+        model = copy.deepcopy(self.base)
+        return InnerTrainer(model, self.inner), make_strategy(model, settings, self.inner.decay_between)
+
+    def needs_step_time(self) -> bool:
+        return AUTO in (self.cfg.overlap, self.cfg.transmissions)
+
+    def step_time(self) -> float:
+        """The configured seconds per inner step, or a measurement on a throwaway copy."""
+        if self.cfg.step_time is not None:
+            return self.cfg.step_time
+        return measure_step_time(self.base, self.shard(0, self.cfg.workers), self.inner)
+
+    def settings(self, latency_s: float, bandwidth_bps: float, step_time: float | None) -> AlgoSettings:
+        """The core's settings, with --overlap auto / --transmissions auto turned into numbers
+        from the link and the step time (which auto needs)."""
+        cfg = self.cfg
+        if not self.needs_step_time():
+            return cfg.algo_settings()
+        assert step_time is not None
+        if cfg.algo in ("streaming", "cocodc"):
+            sizes = [f.numel for f in make_fragments(self.base, cfg.fragments, cfg.pattern)]
+        else:
+            sizes = [self.num_params]
+        wire = [allreduce_wire_bytes(self.codec, n, cfg.workers) for n in sizes]
+        times = [latency_s + 8.0 * w / bandwidth_bps for w in wire]
+        overlap = transmissions = None
+        if cfg.overlap == AUTO:
+            overlap = math.ceil(max(times) / step_time - 1e-9)
+            if overlap >= cfg.inner_steps:
+                raise UserError(
+                    f"--overlap auto: a fragment transfer takes {max(times):.2f} s = {overlap} inner "
+                    f"steps, not less than --inner-steps {cfg.inner_steps}; raise --inner-steps, "
+                    "--fragments or --bandwidth-mbps, or pick a smaller --codec"
+                )
+        if cfg.transmissions == AUTO:
+            mean_time = sum(times) / len(times)
+            fitting = math.floor(cfg.inner_steps * step_time / mean_time)
+            transmissions = min(cfg.inner_steps, max(1, fitting))
+        return cfg.algo_settings(overlap=overlap, transmissions=transmissions)
+
+    def eval_record(
+        self, model: nn.Module, global_state: dict[str, torch.Tensor], step: int, replicas: int
+    ) -> dict[str, Any]:
+        """Validation loss of θ̄ (loaded into ``model``): the fields every eval record shares."""
+        model.load_state_dict(global_state)
+        loss = evaluate(model, self.val_batches)
+        return {
+            "kind": "eval",
+            "step": step,
+            "val_loss": loss,
+            "val_ppl": perplexity(loss),
+            "tokens": step * replicas * self.cfg.batch_size * self.cfg.seq_len,
+        }
+
+
+def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:
+    """Bytes one replica sends in a butterfly all-reduce of ``numel`` values."""
+    return math.ceil(2 * (replicas - 1) * codec.wire_bytes(numel) / replicas)
+
+
+def measure_step_time(model: nn.Module, shard: Shard, inner: InnerSettings, repeats: int = 3) -> float:
+    """Median seconds of one inner step, timed on a throwaway copy so training state is untouched."""
+    trainer = InnerTrainer(copy.deepcopy(model), inner)
+    trainer.step(*shard.batch(0), 1)  # warm-up: allocations, kernels
+    times = []
+    for i in range(repeats):
+        started = time.perf_counter()
+        trainer.step(*shard.batch(i + 1), 1)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
