@@ -84,6 +84,7 @@ class TrainConfig:
     eval_every: int = _opt(48, "evaluate θ̄ every E inner steps")
     eval_batches: int = _opt(16, "validation batches per evaluation")
     out: str | None = _opt(None, "write JSON-lines records here")
+    save: str | None = _opt(None, "write the final global parameters θ̄ here (safetensors)")
     threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
 
     def validate(self) -> TrainConfig:

@@ -25,11 +25,11 @@ import torch
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog, params_sha256
+from p2p_cocodc.metrics import RunLog
 from p2p_cocodc.swarm.dht import parse_bootstrap, start_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
-from p2p_cocodc.training import TrainingSetup
+from p2p_cocodc.training import TrainingSetup, summary_record
 
 log = logging.getLogger(__name__)
 
@@ -278,27 +278,22 @@ class Peer:
         await self._finish_in_flight()
         if last["step"] != self.step:
             last = await self._evaluate(self.step, started, train_losses, log_file)
-        summary = {
-            "kind": "summary",
-            "algo": cfg.algo,
-            "steps": self.step,
-            "final_val_loss": last["val_loss"],
-            "final_val_ppl": last["val_ppl"],
-            "initial_val_ppl": first["val_ppl"],
-            "bytes_sent": self.exchange.stats.bytes_sent,
-            "stall_s": self.stall_s,
-            "wall_time_s": time.perf_counter() - started,
-            "step_time_s": self.step_time_s,
-            "overlap": self.settings.overlap,
-            "transmissions": self.settings.transmissions,
-            "num_params": self.setup.num_params,
-            "rounds_done": self.exchange.stats.rounds_done,
-            "rounds_failed": self.exchange.stats.rounds_failed,
-            "peer_id": self.peer_id,
-            "shard": self.shard_index,
-            "global_params_sha256": params_sha256(self.strategy.global_state()),
-            "config": asdict(cfg),
-        }
+        stats = self.exchange.stats
+        summary = summary_record(
+            self.setup,
+            self.settings,
+            first,
+            last,
+            self.strategy.global_state(),
+            bytes_sent=stats.bytes_sent,
+            stall_s=self.stall_s,
+            wall_time_s=time.perf_counter() - started,
+            step_time_s=self.step_time_s,
+            rounds_done=stats.rounds_done,
+            rounds_failed=stats.rounds_failed,
+            peer_id=self.peer_id,
+            shard=self.shard_index,
+        )
         log_file.write(summary)
         return summary
 

@@ -15,7 +15,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,8 +26,8 @@ from p2p_cocodc.codecs import Codec, decode_mean
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.data import Shard
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog, params_sha256
-from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes
+from p2p_cocodc.metrics import RunLog
+from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, summary_record
 
 
 @dataclass
@@ -111,24 +111,17 @@ class Simulation:
                     progress(step, record)
             elif progress is not None:
                 progress(step, {})
-        final_state = self.global_state()
-        summary = {
-            "kind": "summary",
-            "algo": cfg.algo,
-            "steps": cfg.steps,
-            "final_val_loss": self.last_eval["val_loss"],
-            "final_val_ppl": self.last_eval["val_ppl"],
-            "initial_val_ppl": self.first_eval["val_ppl"],
-            "bytes_sent": self.bytes_sent,
-            "stall_s": self.stall,
-            "sim_time_s": self.clock,
-            "step_time_s": self.step_time,
-            "overlap": self.settings.overlap,
-            "transmissions": self.settings.transmissions,
-            "num_params": self.num_params,
-            "global_params_sha256": params_sha256(final_state),
-            "config": asdict(cfg),
-        }
+        summary = summary_record(
+            self.setup,
+            self.settings,
+            self.first_eval,
+            self.last_eval,
+            self.global_state(),
+            bytes_sent=self.bytes_sent,
+            stall_s=self.stall,
+            sim_time_s=self.clock,
+            step_time_s=self.step_time,
+        )
         log.write(summary)
         return summary
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -17,11 +18,12 @@ from torch import nn
 from p2p_cocodc.algorithms.fragments import make_fragments
 from p2p_cocodc.algorithms.inner import InnerSettings, InnerTrainer, evaluate
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
+from p2p_cocodc.checkpoint import save_global
 from p2p_cocodc.codecs import Codec, get_codec
 from p2p_cocodc.config import AUTO, TrainConfig
 from p2p_cocodc.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import perplexity
+from p2p_cocodc.metrics import params_sha256, perplexity
 from p2p_cocodc.model import build_model, count_parameters
 
 
@@ -101,6 +103,35 @@ class TrainingSetup:
             "val_ppl": perplexity(loss),
             "tokens": step * replicas * self.cfg.batch_size * self.cfg.seq_len,
         }
+
+
+def summary_record(
+    setup: TrainingSetup,
+    settings: AlgoSettings,
+    first: dict[str, Any],
+    last: dict[str, Any],
+    global_state: dict[str, torch.Tensor],
+    **measured: Any,
+) -> dict[str, Any]:
+    """The last record of every run, simulated or real; writes θ̄ to --save when asked."""
+    cfg = setup.cfg
+    digest = params_sha256(global_state)
+    if cfg.save is not None:
+        save_global(global_state, cfg.save, {"global_params_sha256": digest, "algo": cfg.algo})
+    return {
+        "kind": "summary",
+        "algo": cfg.algo,
+        "steps": last["step"],
+        "final_val_loss": last["val_loss"],
+        "final_val_ppl": last["val_ppl"],
+        "initial_val_ppl": first["val_ppl"],
+        **measured,
+        "overlap": settings.overlap,
+        "transmissions": settings.transmissions,
+        "num_params": setup.num_params,
+        "global_params_sha256": digest,
+        "config": asdict(cfg),
+    }
 
 
 def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:

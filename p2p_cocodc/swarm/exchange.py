@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 MAX_OPEN_ROUNDS = 256  # rounds other peers may open here before this peer reaches them
 MESSAGE_TIMEOUT_S = 30.0  # one message (not a whole round) must arrive within this
+RETRY_PAUSE_S = 0.2
+MAX_FINISHED = 4096  # finished round ids remembered, to answer late deliveries
 
 
 class RoundFailed(Exception):
@@ -121,7 +123,7 @@ class FragmentExchange:
         self.board_view = board_view
         self.round_timeout_s = round_timeout_s
         self.rounds: dict[str, RoundState] = {}
-        self.finished: set[str] = set()
+        self.finished: dict[str, None] = {}  # recent rounds, oldest first
         self.stats = ExchangeStats()
 
     async def start(self) -> None:
@@ -146,7 +148,9 @@ class FragmentExchange:
             raise
         finally:
             self.rounds.pop(round_id, None)
-            self.finished.add(round_id)
+            self.finished[round_id] = None
+            if len(self.finished) > MAX_FINISHED:
+                del self.finished[next(iter(self.finished))]
         self.stats.rounds_done += 1
         return averaged
 
@@ -235,7 +239,9 @@ class FragmentExchange:
         deadline = time.monotonic() + self.round_timeout_s
         state.parts[self.peer_id] = (me, sizes[me], encoded[me])
         others = [j for j in range(len(peers)) if j != me]
-        await self._send_all(round_id, "part", {peers[j]: (j, sizes[j], encoded[j]) for j in others})
+        await self._send_all(
+            round_id, "part", {peers[j]: (j, sizes[j], encoded[j]) for j in others}, deadline
+        )
         await state.wait_until(lambda: set(peers) <= set(state.parts), deadline, "slices from every member")
 
         def average_own_slice() -> bytes:
@@ -244,7 +250,9 @@ class FragmentExchange:
 
         mean_bytes = await asyncio.to_thread(average_own_slice)
         state.results[self.peer_id] = (me, sizes[me], mean_bytes)
-        await self._send_all(round_id, "result", {peers[j]: (me, sizes[me], mean_bytes) for j in others})
+        await self._send_all(
+            round_id, "result", {peers[j]: (me, sizes[me], mean_bytes) for j in others}, deadline
+        )
         await state.wait_until(lambda: set(peers) <= set(state.results), deadline, "averaged slices")
         return await asyncio.to_thread(
             lambda: torch.cat([self._decode(state.results, p, j, sizes[j]) for j, p in enumerate(peers)])
@@ -265,10 +273,24 @@ class FragmentExchange:
         except UserError as exc:
             raise RoundFailed(f"peer {sender[:12]} sent a bad payload: {exc}") from None
 
-    async def _send_all(self, round_id: str, kind: str, slices: dict[str, tuple[int, int, bytes]]) -> None:
+    async def _send_all(
+        self, round_id: str, kind: str, slices: dict[str, tuple[int, int, bytes]], deadline: float
+    ) -> None:
+        """Deliver slices to their peers. A delivery is idempotent, so a broken stream is retried
+        until the round's deadline (streams do break now and then on a loaded host)."""
+
         async def send(peer: str, index: int, numel: int, data: bytes) -> None:
-            started = time.perf_counter()
-            reply = await self._call(peer, Request(kind, round_id, slice_index=index, numel=numel, data=data))
+            request = Request(kind, round_id, slice_index=index, numel=numel, data=data)
+            while True:
+                started = time.perf_counter()
+                try:
+                    reply = await self._call(peer, request)
+                    break
+                except ConnectionError as exc:
+                    if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                        raise RoundFailed(f"a member is unreachable: {exc}") from None
+                    log.info("retrying %s: %s", kind, exc)
+                    await asyncio.sleep(RETRY_PAUSE_S)
             if not reply.get("ok"):
                 raise RoundFailed(f"peer {peer[:12]} refused our {kind}: {reply.get('error', '?')}")
             self.stats.record_send(len(data), time.perf_counter() - started)
@@ -277,8 +299,6 @@ class FragmentExchange:
             *(send(p, *item) for p, item in slices.items()), return_exceptions=True
         )
         for result in results:
-            if isinstance(result, ConnectionError):
-                raise RoundFailed(f"a member is unreachable: {result}")
             if isinstance(result, BaseException):
                 raise result
 
@@ -329,6 +349,8 @@ class FragmentExchange:
 
     async def _dispatch(self, sender: str, request: Request) -> dict[str, Any]:
         if request.round_id in self.finished:
+            if request.kind != "join":  # a retried delivery this peer no longer needs
+                return {"ok": True}
             return {"ok": False, "error": f"round {request.round_id} is over here"}
         state = self._round(request.round_id)
         if request.kind != "join":

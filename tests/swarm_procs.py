@@ -1,0 +1,124 @@
+"""Real OS processes for swarm tests: a bootstrap node and peers on 127.0.0.1, each in its own
+process group so a test can always end everything it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "p2p_cocodc"]
+# One torch thread per process: several peers share 2 cores here.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], cwd: Path, log_name: str) -> subprocess.Popen:
+    log = open(cwd / log_name, "w")  # noqa: SIM115 - the process owns it until it ends
+    return subprocess.Popen(
+        CLI + args, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
+    )
+
+
+def end_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the process group the test started (never anything else)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    if sig == signal.SIGKILL:
+        proc.wait(timeout=30)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, read from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def descendants(pid: int) -> list[int]:
+    """Live processes whose parent chain reaches ``pid``."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@dataclass
+class Bootstrap:
+    proc: subprocess.Popen
+    maddr: str
+    host_port: str
+
+
+def start_bootstrap(cwd: Path) -> Bootstrap:
+    status_port = free_port()
+    proc = spawn(
+        [
+            "bootstrap",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--status-port",
+            str(status_port),
+            "--identity",
+            str(cwd / "bootstrap.id"),
+            "--address-file",
+            str(cwd / "bootstrap.json"),
+        ],
+        cwd,
+        "bootstrap.log",
+    )
+    address = cwd / "bootstrap.json"
+
+    def ready() -> dict | None:
+        if proc.poll() is not None:
+            pytest.fail(f"bootstrap exited: {(cwd / 'bootstrap.log').read_text()[-2000:]}")
+        return json.loads(address.read_text()) if address.exists() else None
+
+    info = wait_for(ready, 60, "the bootstrap's address file")
+    return Bootstrap(proc, info["maddrs"][0], f"127.0.0.1:{status_port}")

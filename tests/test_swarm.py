@@ -1,0 +1,204 @@
+"""The swarm end to end: a real bootstrap and real peers as OS processes on 127.0.0.1.
+
+The central check: three peers reach the θ̄ that ``simulate`` reaches with three workers, so the
+distributed pipeline computes the algorithm itself, not something near it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.swarm_procs import (
+    CLI,
+    ENV,
+    descendants,
+    end_group,
+    free_port,
+    spawn,
+    start_bootstrap,
+    wait_for,
+)
+
+TINY = [
+    "--model",
+    "nano",
+    "--tokenizer",
+    "byte",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--workers",
+    "3",
+    "--steps",
+    "32",
+    "--inner-steps",
+    "8",
+    "--fragments",
+    "2",
+    "--overlap",
+    "2",
+    "--eval-every",
+    "8",
+    "--eval-batches",
+    "2",
+    "--threads",
+    "1",
+    "--codec",
+    "fp32",
+    "--quiet",
+]
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("algo", ["streaming", "cocodc"])
+def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
+    boot = start_bootstrap(tmp_path)
+    peers = []
+    try:
+        for i in range(3):
+            # peer 0 joins by multiaddr, the others by the host:port the bootstrap printed
+            address = boot.maddr if i == 0 else boot.host_port
+            args = ["join", "--bootstrap", address, "--algo", algo, *TINY, "--shard", f"{i}/3"]
+            args += ["--out", f"peer{i}.jsonl", "--save", f"peer{i}.safetensors", "--run-id", f"t-{algo}"]
+            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
+        sim = subprocess.run(
+            CLI + ["simulate", "--algo", algo, *TINY, "--out", "sim.jsonl", "--save", "sim.safetensors"],
+            cwd=tmp_path,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert sim.returncode == 0, sim.stderr
+        for i, peer in enumerate(peers):
+            code = peer.wait(timeout=180)
+            assert code == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
+    finally:
+        for proc in [*peers, boot.proc]:
+            end_group(proc)
+
+    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
+    expected = records(tmp_path / "sim.jsonl")[-1]
+    assert all(s["kind"] == "summary" for s in summaries)
+    assert sorted(s["shard"] for s in summaries) == [0, 1, 2]
+    # every fragment synced several times, every round complete on every peer
+    assert all(s["rounds_done"] >= 6 and s["rounds_failed"] == 0 for s in summaries)
+    assert len({s["global_params_sha256"] for s in summaries}) == 1
+    assert all(s["final_val_ppl"] < s["initial_val_ppl"] * 0.8 for s in summaries)
+    # the simulator models the butterfly as 2(M−1)/M of the payload; real slices differ by rounding
+    assert summaries[0]["bytes_sent"] == pytest.approx(expected["bytes_sent"], rel=1e-4)
+
+    reference = load_file(str(tmp_path / "sim.safetensors"))
+    for i in range(3):
+        got = load_file(str(tmp_path / f"peer{i}.safetensors"))
+        assert list(got) == list(reference)
+        worst = max(float((got[k] - reference[k]).abs().max()) for k in reference)
+        assert worst <= 1e-5, f"peer {i}: θ̄ differs from the simulator's by {worst}"
+
+    evals = [r for r in records(tmp_path / "peer0.jsonl") if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 8, 16, 24, 32]
+    assert all("wall_time_s" in e and "sim_time_s" not in e for e in evals)
+
+
+def test_join_without_a_bootstrap_ends_with_a_clear_message(tmp_path: Path) -> None:
+    dead_port = free_port()
+    peer_id = "12D3KooWMGTq8jsqsJk2uuVpvnWNWFm2R6dV5vpintmM9zGzJHkp"
+    for address in (f"/ip4/127.0.0.1/tcp/{dead_port}/p2p/{peer_id}", f"127.0.0.1:{dead_port}"):
+        started = time.monotonic()
+        done = subprocess.run(
+            CLI + ["join", "--bootstrap", address, *TINY],
+            cwd=tmp_path,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert done.returncode != 0
+        assert time.monotonic() - started < 60
+        lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and "bootstrap" in lines[0], done.stderr
+        assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--shard", "3/3"], "--shard 3/3"),
+        (["--shard", "x"], "--shard 'x'"),
+        (["--shard", "0/2"], "must equal --workers"),
+        (["--run-id", "a b"], "--run-id"),
+    ],
+)
+def test_join_rejects_bad_options(tmp_path: Path, extra: list[str], message: str) -> None:
+    done = subprocess.run(
+        CLI + ["join", "--bootstrap", "127.0.0.1:9", *TINY, *extra],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_killed_peer_leaves_no_process_behind(tmp_path: Path) -> None:
+    boot = start_bootstrap(tmp_path)
+    peer = spawn(["join", "--bootstrap", boot.maddr, *TINY, "--workers", "2"], tmp_path, "peer.log")
+    try:
+        # a peer waiting for its partner has its DHT process and p2pd running
+        helpers = wait_for(lambda: len(descendants(peer.pid)) >= 2 and descendants(peer.pid), 60, "helpers")
+        peer.send_signal(signal.SIGKILL)  # the main process only, as the OOM killer would
+        peer.wait(timeout=10)
+        wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in helpers), 10, "helpers to die")
+    finally:
+        end_group(peer)
+        end_group(boot.proc)
+
+
+def test_sigterm_stops_a_peer_cleanly(tmp_path: Path) -> None:
+    boot = start_bootstrap(tmp_path)
+    args = ["join", "--bootstrap", boot.maddr, *TINY, "--workers", "1", "--steps", "100000"]
+    peer = spawn(args + ["--out", "peer.jsonl"], tmp_path, "peer.log")
+    try:
+        out = tmp_path / "peer.jsonl"
+        wait_for(lambda: out.exists() and len(records(out)) >= 2, 90, "training to start")
+        peer.send_signal(signal.SIGTERM)
+        assert peer.wait(timeout=30) == 0, (tmp_path / "peer.log").read_text()[-2000:]
+        summary = records(out)[-1]
+        assert summary["kind"] == "summary" and 8 <= summary["steps"] < 100000
+        assert descendants(peer.pid) == []
+    finally:
+        end_group(peer)
+        end_group(boot.proc)
+
+
+def test_global_parameters_file_loads_into_the_model(tmp_path: Path) -> None:
+    """--save writes θ̄ that torch can load back into the preset model."""
+    from p2p_cocodc.model import build_model
+
+    done = subprocess.run(
+        CLI + ["simulate", *TINY, "--steps", "8", "--save", "theta.safetensors"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    model = build_model("nano", 256, 32)
+    state = load_file(str(tmp_path / "theta.safetensors"))
+    model.load_state_dict(state)
+    assert all(torch.isfinite(t).all() for t in state.values())
