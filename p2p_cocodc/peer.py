@@ -106,6 +106,7 @@ class Peer:
         self.step = 0
         self.step_time_s = step_time or 0.0
         self.stall_s = 0.0
+        self.eval_s = 0.0  # evaluation time, kept out of the training throughput
         self.versions = [0] * len(self.strategy.fragments) if isinstance(self.strategy, Strategy) else [0]
         self.pending: dict[int, asyncio.Task[torch.Tensor]] = {}
         self.shard_index: int | None = opts.shard[0] if opts.shard else None
@@ -279,6 +280,7 @@ class Peer:
         if last["step"] != self.step:
             last = await self._evaluate(self.step, started, train_losses, log_file)
         stats = self.exchange.stats
+        wall = time.perf_counter() - started
         summary = summary_record(
             self.setup,
             self.settings,
@@ -287,8 +289,9 @@ class Peer:
             self.strategy.global_state(),
             bytes_sent=stats.bytes_sent,
             stall_s=self.stall_s,
-            wall_time_s=time.perf_counter() - started,
+            wall_time_s=wall,
             step_time_s=self.step_time_s,
+            tokens_per_s=self.step * cfg.batch_size * cfg.seq_len / max(wall - self.eval_s, 1e-9),
             rounds_done=stats.rounds_done,
             rounds_failed=stats.rounds_failed,
             peer_id=self.peer_id,
@@ -350,9 +353,11 @@ class Peer:
         self, step: int, started: float, train_losses: list[float], log_file: RunLog
     ) -> dict[str, Any]:
         state = self.strategy.global_state()
+        eval_started = time.perf_counter()
         record = await self._in_train_thread(
             self.setup.eval_record, self.eval_model, state, step, self.cfg.workers
         )
+        self.eval_s += time.perf_counter() - eval_started
         record.update(
             wall_time_s=time.perf_counter() - started,
             train_loss=sum(train_losses) / len(train_losses) if train_losses else None,

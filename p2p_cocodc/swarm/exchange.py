@@ -188,20 +188,27 @@ class FragmentExchange:
             return members
 
     async def _join_via(self, leader: str, round_id: str) -> dict[str, Any] | None:
-        """Ask ``leader`` for the round's members; None if it died or vanished from the board."""
+        """Ask ``leader`` for the round's members; None once it has left the board.
+
+        A join is idempotent, so a broken stream is retried while the leader is still live."""
         request = Request("join", round_id, shard=self.shard, fingerprint=self.fingerprint)
-        call = asyncio.ensure_future(self._call(leader, request, self.round_timeout_s * 4))
-        try:
-            while True:
-                done, _ = await asyncio.wait({call}, timeout=0.5)
-                if done:
-                    return call.result()
+        give_up = time.monotonic() + self.round_timeout_s * 4
+        while True:
+            call = asyncio.ensure_future(self._call(leader, request, self.round_timeout_s * 4))
+            try:
+                while not call.done():
+                    await asyncio.wait({call}, timeout=0.5)
+                    if not call.done() and leader not in self._live_training():
+                        call.cancel()
+                        return None
+                return call.result()
+            except ConnectionError as exc:
                 if leader not in self._live_training():
-                    call.cancel()
                     return None
-        except ConnectionError as exc:
-            log.info("leader %s unreachable (%s); trying the next", leader[:12], exc)
-            return None
+                if time.monotonic() > give_up:
+                    raise RoundFailed(f"leader {leader[:12]} is live but does not answer: {exc}") from None
+                log.info("join via %s failed (%s); retrying", leader[:12], exc)
+                await asyncio.sleep(RETRY_PAUSE_S)
 
     async def _lead(self, state: RoundState, step: int) -> list[tuple[str, int]]:
         """Wait for the expected peers to join, then publish the ordered member list."""

@@ -1,0 +1,395 @@
+"""The swarm's bootstrap node: a DHT with a stable address that peers join through. It trains nothing.
+
+A peer can only enter the DHT by dialling a multiaddr that ends in a peer id. The bootstrap keeps that
+address stable across restarts (fixed ``--port``, identity file), prints the exact join commands, writes
+them to a JSON file for scripts, and serves them over HTTP, so a peer can join with just HOST:PORT
+(``parse_bootstrap`` in swarm/dht.py fetches ``/address``). The same server shows operators the swarm's
+notice board (``/status``). The HTTP thread never calls the DHT: a wedged DHT process would hang it. It
+serves bytes that the main thread's event loop refreshes, where a wedged DHT costs a timeout and a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.swarm.dht import start_dht
+from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
+
+log = logging.getLogger(__name__)
+
+BOARD_TTL_S = 30.0  # the bootstrap only reads the board; Board wants a TTL for publishing
+MAX_RUNS = 256  # run ids come from untrusted peers: bound what /status lists
+# After the DHT process dies, /health answers 503 this long; then we exit 1 and systemd starts a fresh one.
+DEAD_GRACE_S = 5.0
+WILDCARDS = ("0.0.0.0", "::", "")
+PEER_FIELDS = (
+    "state",
+    "step",
+    "shard",
+    "num_shards",
+    "step_time_s",
+    "bandwidth_mbps",
+    "versions",
+    "stall_s",
+    "bytes_sent",
+)
+
+
+@dataclass(frozen=True)
+class BootstrapOptions:
+    """The ``p2p-cocodc bootstrap`` options; ``status_host`` None means ``host``."""
+
+    identity: str = "bootstrap.id"
+    host: str = "127.0.0.1"
+    port: int = 31337
+    announce: str | None = None
+    address_file: str = "bootstrap.json"
+    status_host: str | None = None
+    status_port: int = 31338
+    refresh_s: float = 1.0
+
+
+class Snapshot:
+    """What the HTTP thread serves. The main thread swaps whole values in; each assignment is atomic."""
+
+    def __init__(self, address: dict[str, Any]) -> None:
+        self.started = time.monotonic()
+        self.address = _dumps({"maddrs": address["maddrs"], "peer_id": address["peer_id"]})
+        self.status = _dumps({"runs": {}, "updated_at": None, "error": None})
+        self.refreshed: float | None = None  # monotonic time of the last good read of the board
+        self.dht_alive = True
+
+    def health(self) -> tuple[int, bytes]:
+        age = None if self.refreshed is None else round(time.monotonic() - self.refreshed, 1)
+        body = {
+            "ok": self.dht_alive,
+            "dht_alive": self.dht_alive,
+            "uptime_s": round(time.monotonic() - self.started, 1),
+            "status_age_s": age,
+        }
+        return (200 if self.dht_alive else 503), _dumps(body)
+
+
+class StatusServer(ThreadingHTTPServer):
+    """GET /health, /address, /status from a Snapshot; daemon threads, so a stuck client cannot block exit."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.snapshot: Snapshot | None = None
+        super().__init__((host, port), _Handler)
+
+    def route(self, path: str) -> tuple[int, bytes]:
+        snap = self.snapshot
+        if snap is None:
+            return 503, _dumps({"error": "starting"})
+        if path == "/health":
+            return snap.health()
+        if path == "/address":
+            return 200, snap.address
+        if path == "/status":
+            return 200, snap.status
+        return 404, _dumps({"error": f"no such page {path!r}; try /health, /address or /status"})
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-answer is not worth a traceback on stderr."""
+        log.debug("HTTP request from %s failed", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: StatusServer
+    timeout = 10  # a client that connects and sends nothing frees its thread after this
+    server_version = "p2p-cocodc-bootstrap"
+
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server dispatches to
+        code, body = self.server.route(urlsplit(self.path).path.rstrip("/") or "/")
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
+        log.debug("%s " + format, self.address_string(), *args)
+
+
+def run_bootstrap(opts: BootstrapOptions) -> int:
+    """Serve until SIGINT/SIGTERM (exit code 0) or until the DHT process dies (exit code 1)."""
+    _configure_logging()
+    check_options(opts)
+    status_host = opts.status_host or opts.host
+    with ExitStack() as stack:
+        # Bound before the DHT starts, so a taken port fails in a second, before anything is started.
+        # The forked DHT process inherits this socket but never accepts on it, and dies with us.
+        server = bind_status_server(status_host, opts.status_port)
+        stack.callback(server.server_close)
+        check_identity(opts.identity)
+        dht = start_dht([], opts.host, opts.port, opts.announce, identity_path=opts.identity)
+        stack.callback(stop_dht, dht, p2pd_socket(dht))
+        # Set only now: a Python handler installed before the fork would also run in the DHT process.
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            address = describe(dht, opts, status_host, server.server_address[1])
+            server.snapshot = snapshot = Snapshot(address)
+            threading.Thread(target=server.serve_forever, name="status-http", daemon=True).start()
+            stack.callback(server.shutdown)
+            write_address_file(opts.address_file, address)
+            announce_join(address, opts)
+            import uvloop
+
+            return uvloop.run(watch(dht, address["peer_id"], snapshot, opts.refresh_s))
+        except KeyboardInterrupt:
+            return 0
+
+
+def check_options(opts: BootstrapOptions) -> None:
+    """Reject bad values before anything starts, each with the flag to fix."""
+    for flag, port in (("--port", opts.port), ("--status-port", opts.status_port)):
+        if not 0 <= port < 65536:
+            raise UserError(f"{flag} must be in [0, 65535], got {port}")
+    if not (math.isfinite(opts.refresh_s) and 0.1 <= opts.refresh_s <= 3600):
+        raise UserError(f"--refresh must be in [0.1, 3600] seconds, got {opts.refresh_s}")
+    if opts.port and opts.port == opts.status_port:
+        raise UserError(f"--port and --status-port are both {opts.port}: they must differ")
+    _check_writable_file("--identity", opts.identity)
+    _check_writable_file("--address-file", opts.address_file)
+
+
+def _check_writable_file(flag: str, path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise UserError(f"{flag} {path}: the directory {parent} does not exist")
+    if os.path.exists(path) and not os.access(path, os.R_OK):
+        raise UserError(f"{flag} {path} exists but cannot be read")
+    if not os.path.exists(path) and not os.access(parent, os.W_OK):
+        raise UserError(f"{flag} {path} cannot be created: {parent} is not writable")
+
+
+def check_identity(path: str) -> None:
+    """An existing identity file must hold a key; p2pd would fail with a message that names no file."""
+    if not os.path.exists(path):
+        return  # hivemind creates it
+    from hivemind.p2p import PeerID
+
+    try:
+        with open(path, "rb") as f:
+            PeerID.from_identity(f.read())
+    except Exception as exc:  # noqa: BLE001 - protobuf and cryptography raise many types for bad keys
+        raise UserError(
+            f"--identity {path} is not a private key file ({type(exc).__name__}); "
+            "give the file an earlier run created, or a new path to create one"
+        ) from None
+
+
+def bind_status_server(host: str, port: int) -> StatusServer:
+    """The HTTP server bound and listening (it serves once its thread starts), or a UserError."""
+    try:
+        return StatusServer(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(
+                f"--status-port {port} is in use: is another bootstrap running on {host}? "
+                "Stop it or pick a free port"
+            ) from None
+        raise UserError(
+            f"cannot serve HTTP on {host}:{port} ({exc.strerror or exc}): check --status-host"
+        ) from None
+
+
+def p2pd_socket(dht: Any) -> str | None:
+    """Path of p2pd's unix socket in /tmp, or None if hivemind will not say."""
+    from hivemind import DHT
+
+    try:
+        return str(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)["unix"])
+    except Exception as exc:  # noqa: BLE001 - only a cleanup aid; a hivemind without it must still run
+        log.debug("no p2pd socket path: %s", exc)
+        return None
+
+
+def stop_dht(dht: Any, socket_path: str | None) -> None:
+    """Shut the DHT down, and remove p2pd's socket file.
+
+    The DHT may already be gone: systemd's control-group kill signals it too. hivemind removes the socket
+    only if it stops p2pd itself, so a p2pd that died first left the file behind in /tmp.
+    """
+    try:
+        dht.shutdown()
+    except (OSError, EOFError) as exc:
+        log.debug("DHT shutdown: %s", exc)
+    if socket_path and not dht.is_alive():
+        with suppress(OSError):
+            os.remove(socket_path)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def describe(dht: Any, opts: BootstrapOptions, status_host: str, status_port: int) -> dict[str, Any]:
+    """The bootstrap's addresses: what the address file holds and what a peer needs to join."""
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    host = join_host(opts.announce, status_host, maddrs)
+    host_port = f"[{host}]:{status_port}" if ":" in host else f"{host}:{status_port}"
+    return {
+        "peer_id": str(dht.peer_id),
+        "maddrs": maddrs,
+        "status_url": f"http://{host_port}/status",
+        "join": host_port,
+    }
+
+
+def join_host(announce: str | None, status_host: str, maddrs: list[str]) -> str:
+    """The host other machines reach the HTTP server at: --announce, else a concrete listen address."""
+    if announce:
+        return announce
+    if status_host not in WILDCARDS:
+        return status_host
+    for m in maddrs:  # listening on every interface: prefer one other machines can reach
+        parts = m.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and not parts[2].startswith(("127.", "::1")):
+            return parts[2]
+    return "127.0.0.1"
+
+
+def write_address_file(path: str, address: dict[str, Any]) -> None:
+    """Write atomically, so a script polling for the file never reads half of it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(address, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise UserError(f"--address-file {path}: cannot write it ({exc.strerror or exc})") from None
+
+
+def announce_join(address: dict[str, Any], opts: BootstrapOptions) -> None:
+    """Print what peers must run; notes about reachability go to stderr."""
+    lines = [
+        f"bootstrap peer id {address['peer_id']} (identity {opts.identity})",
+        f"status {address['status_url']}; addresses written to {opts.address_file}",
+        "peers join with any of:",
+        f"  p2p-cocodc join --bootstrap {address['join']}",
+        *(f"  p2p-cocodc join --bootstrap {m}" for m in address["maddrs"]),
+    ]
+    print("\n".join(lines), flush=True)
+    if opts.host in WILDCARDS and not opts.announce:
+        print(
+            "note: no --announce: peers behind NAT may not reach the addresses above",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif opts.host.startswith("127.") or opts.host in ("localhost", "::1"):
+        print(
+            f"note: --host {opts.host} accepts peers on this machine only; "
+            "on a public machine use --host 0.0.0.0 --announce PUBLIC_IP",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+async def watch(dht: Any, peer_id: str, snapshot: Snapshot, refresh_s: float) -> int:
+    """Refresh the status snapshot every ``refresh_s`` until a signal (0) or the DHT's death (1)."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    dead_since: float | None = None
+    failing = False
+    try:
+        while True:
+            snapshot.dht_alive = dht.is_alive()
+            if not snapshot.dht_alive:
+                if dead_since is None:
+                    log.error("the DHT process has died; exiting in %.0f s", DEAD_GRACE_S)
+                    dead_since = time.monotonic()
+                elif time.monotonic() - dead_since > DEAD_GRACE_S:
+                    return 1
+            else:
+                failing = await refresh(dht, peer_id, snapshot, failing)
+            await asyncio.sleep(refresh_s)
+    except asyncio.CancelledError:
+        return 0
+
+
+async def refresh(dht: Any, peer_id: str, snapshot: Snapshot, failing: bool) -> bool:
+    """Read the board into the snapshot; on a timeout keep the last one. Returns whether the read failed."""
+    try:
+        runs = await read_board(dht, peer_id)
+    except ConnectionError as exc:
+        if not failing:
+            log.warning("cannot read the swarm's board (%s); serving the last snapshot", exc)
+        last = json.loads(snapshot.status)
+        snapshot.status = _dumps({**last, "error": str(exc)})
+        return True
+    if failing:
+        log.info("reading the swarm's board again")
+    snapshot.status = _dumps({"runs": runs, "updated_at": time.time(), "error": None})
+    snapshot.refreshed = time.monotonic()
+    return False
+
+
+async def read_board(dht: Any, peer_id: str) -> dict[str, Any]:
+    """{run_id: {"info", "peers"}} of every live run; raises ConnectionError when the DHT times out."""
+    infos = await Board(dht, "bootstrap", peer_id, BOARD_TTL_S).runs()
+    run_ids = sorted(r for r in infos if _valid_run_id(r))[:MAX_RUNS]
+    boards = [Board(dht, r, peer_id, BOARD_TTL_S) for r in run_ids]
+    peers = await asyncio.gather(*(b.peers() for b in boards))
+    return {
+        run_id: {"info": _jsonable(infos[run_id]), "peers": {p: _peer_view(rec) for p, rec in found.items()}}
+        for run_id, found in zip(run_ids, peers, strict=True)
+    }
+
+
+def _valid_run_id(run_id: str) -> bool:
+    try:
+        check_run_id(run_id)
+    except UserError:
+        return False
+    return True
+
+
+def _peer_view(record: PeerRecord) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in PEER_FIELDS}
+
+
+def _jsonable(value: Any) -> Any:
+    """A peer's run info as JSON can carry it; anything else (bytes, NaN) as a short repr."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)[:1000]
+    return value
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, allow_nan=False).encode()
+
+
+def _configure_logging() -> None:
+    """Our warnings with a timestamp on stderr; hivemind keeps its own handler (it does not propagate)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,249 @@
+"""``p2p-cocodc bootstrap`` run for real as ``python -m p2p_cocodc`` in its own process group.
+
+No mocks: the bootstrap's DHT, p2pd and HTTP server are real, and a second real DHT in this process
+publishes a record into it. Each test kills what it started by process group, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import closing, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2p_cocodc.bootstrap import p2pd_socket, stop_dht
+from p2p_cocodc.swarm.dht import parse_bootstrap, start_dht
+from p2p_cocodc.swarm.records import Board, PeerRecord
+
+START_DEADLINE_S = 60.0
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bootstrap_cmd(*args: Any) -> list[str]:
+    return [sys.executable, "-m", "p2p_cocodc", "bootstrap", *map(str, args)]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class Bootstrap:
+    """A running bootstrap process, started in its own session so its whole group can be killed."""
+
+    cwd: Path
+    port: int
+    status_port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> dict[str, Any]:
+        """Start it and return the address file's contents once it appears."""
+        address_file = self.cwd / "bootstrap.json"
+        with suppress(FileNotFoundError):
+            address_file.unlink()
+        # Files, not pipes: torch_shm_manager (hivemind's shared memory) would hold a pipe open for ~2 s
+        # after the bootstrap exits, in a session of its own, and make communicate() wait for it.
+        with open(self.cwd / "out.txt", "wb") as out, open(self.cwd / "err.txt", "wb") as err:
+            self.proc = subprocess.Popen(
+                bootstrap_cmd("--port", self.port, "--status-port", self.status_port, "--refresh", 0.2),
+                cwd=self.cwd,
+                env=env(),
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not address_file.exists():
+            if self.proc.poll() is not None:
+                pytest.fail(f"bootstrap exited with {self.proc.returncode}: {self.output()}")
+            assert time.monotonic() < deadline, "no address file within the deadline"
+            time.sleep(0.1)
+        return json.loads(address_file.read_text())
+
+    def get(self, path: str) -> tuple[int, Any]:
+        url = f"http://127.0.0.1:{self.status_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def terminate(self, group: bool = False, timeout: float = 10.0) -> tuple[int, str, str]:
+        """SIGTERM to the main process (``kill PID``) or to its whole group, as systemd's
+        KillMode=control-group sends it, DHT process and p2pd included."""
+        assert self.proc is not None
+        if group:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        else:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=timeout)
+        return code, *self.output()
+
+    def output(self) -> tuple[str, str]:
+        return (self.cwd / "out.txt").read_text(), (self.cwd / "err.txt").read_text()
+
+    def kill_group(self) -> None:
+        if self.proc is not None:
+            with suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def boot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bootstrap]:
+    """One bootstrap shared by the tests below; the last test stops and restarts it."""
+    b = Bootstrap(tmp_path_factory.mktemp("boot"), free_port(), free_port())
+    try:
+        b.start()
+        yield b
+    finally:
+        b.kill_group()
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids (zombies aside) whose process group is pgid."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry))
+    return pids
+
+
+def assert_group_gone(pgid: int) -> None:
+    """The DHT process and p2pd went with the main process."""
+    deadline = time.monotonic() + 5
+    while group_members(pgid):
+        assert time.monotonic() < deadline, f"left behind: {group_members(pgid)}"
+        time.sleep(0.1)
+
+
+def test_addresses_are_served_and_resolvable(boot: Bootstrap) -> None:
+    address = json.loads((boot.cwd / "bootstrap.json").read_text())
+    assert address["maddrs"] and all("/p2p/" in m for m in address["maddrs"])
+    assert address["maddrs"][0].startswith(f"/ip4/127.0.0.1/tcp/{boot.port}/p2p/{address['peer_id']}")
+    assert address["join"] == f"127.0.0.1:{boot.status_port}"
+
+    code, health = boot.get("/health")
+    assert code == 200 and health["ok"] is True and health["dht_alive"] is True
+    assert health["uptime_s"] >= 0
+    code, served = boot.get("/address")
+    assert code == 200 and served == {"maddrs": address["maddrs"], "peer_id": address["peer_id"]}
+    assert parse_bootstrap(f"127.0.0.1:{boot.status_port}") == address["maddrs"]
+    code, missing = boot.get("/nope")
+    assert code == 404 and "error" in missing
+
+
+def test_status_shows_a_run_published_by_a_peer(boot: Bootstrap) -> None:
+    maddrs = json.loads((boot.cwd / "bootstrap.json").read_text())["maddrs"]
+    record = PeerRecord(
+        state="training",
+        step=7,
+        shard=1,
+        num_shards=2,
+        step_time_s=0.25,
+        bandwidth_mbps=12.5,
+        fingerprint="f" * 16,
+        versions=[3, 4],
+        stall_s=0.5,
+        bytes_sent=1234,
+    )
+    dht = start_dht(maddrs, "127.0.0.1", 0)
+    socket_path = p2pd_socket(dht)
+    try:
+        asyncio.run(
+            Board(dht, "r1", "x", ttl_s=30).publish(record, run_info={"algo": "cocodc", "workers": 2})
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            code, status = boot.get("/status")
+            assert code == 200
+            if "x" in status["runs"].get("r1", {}).get("peers", {}):
+                break
+            assert time.monotonic() < deadline, f"run r1 never showed up: {status}"
+            time.sleep(0.2)
+    finally:
+        stop_dht(dht, socket_path)  # shutdown, and p2pd's socket file out of /tmp
+    run = status["runs"]["r1"]
+    assert run["info"] == {"algo": "cocodc", "workers": 2}
+    expected = record.to_wire()
+    del expected["fingerprint"]
+    assert run["peers"]["x"] == expected
+    assert isinstance(status["updated_at"], float)
+
+
+def test_sigterm_exits_cleanly_and_a_restart_keeps_the_peer_id(boot: Bootstrap) -> None:
+    assert boot.proc is not None
+    before = json.loads((boot.cwd / "bootstrap.json").read_text())
+    start = time.monotonic()
+    code, out, err = boot.terminate()
+    assert code == 0, err
+    assert time.monotonic() - start < 5
+    assert f"p2p-cocodc join --bootstrap 127.0.0.1:{boot.status_port}" in out
+    assert f"p2p-cocodc join --bootstrap {before['maddrs'][0]}" in out
+    assert "Traceback" not in err
+    assert_group_gone(boot.proc.pid)
+
+    after = boot.start()  # same cwd, so the same bootstrap.id
+    assert after["peer_id"] == before["peer_id"]
+    assert after["maddrs"] == before["maddrs"]
+    code, _, err = boot.terminate(group=True)
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert_group_gone(boot.proc.pid)
+
+
+def test_bad_port_is_one_line_error(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        bootstrap_cmd("--port", 70000), cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "--port" in lines[0], proc.stderr
+    assert not (tmp_path / "bootstrap.id").exists()
+
+
+def test_status_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.Popen(
+            bootstrap_cmd("--port", free_port(), "--status-port", port),
+            cwd=tmp_path,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2
+    assert f"error: --status-port {port} is in use" in err and "Traceback" not in err

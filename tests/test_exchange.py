@@ -1,0 +1,179 @@
+"""The fragment exchange in one process: real hivemind DHTs and libp2p streams on 127.0.0.1.
+
+Checks what the multi-process tests cannot reach cheaply: exact averages for every codec, and
+malformed or hostile messages answered with an error while the exchange keeps working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+
+import msgpack
+import pytest
+import torch
+
+from p2p_cocodc.codecs import CODECS, get_codec
+from p2p_cocodc.swarm.dht import start_dht
+from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, slice_bounds
+from p2p_cocodc.swarm.records import PeerRecord
+from p2p_cocodc.swarm.wire import BadMessage, parse_request, read_frame
+
+
+def record(shard: int) -> PeerRecord:
+    return PeerRecord("training", 0, shard, 2, 0.01, 0.0, "fp")
+
+
+@pytest.fixture
+def dhts():
+    """Two fresh DHT nodes per test: a P2P replica is bound to the event loop that first used it."""
+    first = start_dht([], "127.0.0.1", 0)
+    second = start_dht([str(first.get_visible_maddrs()[0])], "127.0.0.1", 0)
+    yield first, second
+    second.shutdown()
+    first.shutdown()
+
+
+async def make_pair(dhts, codecs=("fp32", "fp32"), timeout=5.0) -> list[FragmentExchange]:
+    p2ps = [await d.replicate_p2p() for d in dhts]
+    ids = [p.peer_id.to_base58() for p in p2ps]
+    view = {peer: record(i) for i, peer in enumerate(ids)}
+    exchanges = [
+        FragmentExchange(p2p, "t", get_codec(codec), i, "fp", lambda: view, timeout)
+        for i, (p2p, codec) in enumerate(zip(p2ps, codecs, strict=True))
+    ]
+    for ex in exchanges:
+        await ex.start()
+    return exchanges
+
+
+async def stop_all(exchanges: list[FragmentExchange]) -> None:
+    for ex in exchanges:
+        await ex.stop()
+
+
+def test_two_peers_get_the_same_average_with_every_codec(dhts) -> None:
+    async def main():
+        exchanges = await make_pair(dhts)
+        torch.manual_seed(0)
+        vectors = [torch.randn(1000), torch.randn(1000)]
+        results = {}
+        try:
+            for codec in CODECS:
+                for ex in exchanges:
+                    ex.codec = get_codec(codec)
+                results[codec] = await asyncio.gather(
+                    *(ex.allreduce(f"r-{codec}", v, 1) for ex, v in zip(exchanges, vectors, strict=True))
+                )
+        finally:
+            await stop_all(exchanges)
+        return vectors, results
+
+    vectors, results = asyncio.run(main())
+    exact = (vectors[0] + vectors[1]) / 2
+    for codec, (a, b) in results.items():
+        assert torch.equal(a, b), codec  # bit-identical on both peers, whatever the codec
+        tolerance = {"fp32": 0.0, "bf16": 0.02, "int8": 0.05, "fp4": 2.0}[codec]
+        assert float((a - exact).abs().max()) <= tolerance, codec
+
+
+def test_a_peer_sending_malformed_payloads_fails_the_round_not_the_peer(dhts) -> None:
+    async def main():
+        # the second peer speaks bf16 where the run uses fp32: every payload has the wrong size
+        exchanges = await make_pair(dhts, ("fp32", "bf16"), timeout=3.0)
+        vector = torch.ones(512)
+        try:
+            results = await asyncio.gather(
+                *(ex.allreduce("bad", vector, 1) for ex in exchanges), return_exceptions=True
+            )
+            # and the same exchanges still average correctly afterwards
+            exchanges[1].codec = get_codec("fp32")
+            good = await asyncio.gather(*(ex.allreduce("good", vector * 3, 2) for ex in exchanges))
+        finally:
+            await stop_all(exchanges)
+        return results, good
+
+    results, good = asyncio.run(main())
+    assert all(isinstance(r, RoundFailed) for r in results)
+    assert any("bad payload" in str(r) for r in results)
+    assert all(torch.equal(g, torch.full((512,), 3.0)) for g in good)
+
+
+GARBAGE = [
+    b"\x00\x00\x00\x05garbage",  # not msgpack
+    struct.pack(">I", 0xFFFFFFFF),  # a header announcing 4 GiB
+    b"\x00\x00\x00\x03" + msgpack.packb([1, 2]),  # not a map
+    b"\x00\x00\x00\x00",  # empty body
+    b"\x00\x00\x00\x0b" + msgpack.packb({"kind": "join"}),  # a join without a round
+]
+
+
+def test_garbage_on_the_stream_gets_an_error_reply_and_changes_nothing(dhts) -> None:
+    async def main():
+        exchanges = await make_pair(dhts)
+        replies = []
+        try:
+            for raw in GARBAGE:
+                _, reader, writer = await exchanges[1].p2p.call_binary_stream_handler(
+                    exchanges[0].p2p.peer_id, exchanges[0].protocol
+                )
+                writer.write(raw)
+                await writer.drain()
+                replies.append(await read_frame(reader, 10))
+                writer.close()
+            # a stream that ends inside the header: nobody to answer, nothing may break
+            _, reader, writer = await exchanges[1].p2p.call_binary_stream_handler(
+                exchanges[0].p2p.peer_id, exchanges[0].protocol
+            )
+            writer.write(b"\x00\x00")
+            await writer.drain()
+            writer.close()
+            average = await asyncio.gather(*(ex.allreduce("after", torch.ones(8), 1) for ex in exchanges))
+        finally:
+            await stop_all(exchanges)
+        return replies, average, exchanges[0].rounds
+
+    replies, average, open_rounds = asyncio.run(main())
+    assert all(r["ok"] is False and r["error"] for r in replies), replies
+    assert all(torch.equal(a, torch.ones(8)) for a in average)
+    assert open_rounds == {}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"kind": "spam", "round": "r"},
+        {"kind": "part", "round": "r", "slice": 0, "numel": 3, "data": "text"},
+        {"kind": "part", "round": "r", "slice": True, "numel": 3, "data": b""},
+        {"kind": "part", "round": "r", "slice": 0, "numel": -1, "data": b""},
+        {"kind": "join", "round": "", "shard": 0, "fingerprint": "x"},
+        {"kind": "join", "round": "r" * 65, "shard": 0, "fingerprint": "x"},
+        {"kind": "join", "round": "r", "shard": 0.5, "fingerprint": "x"},
+    ],
+)
+def test_requests_are_type_checked(body: dict) -> None:
+    with pytest.raises(BadMessage):
+        parse_request(body)
+
+
+def test_received_nan_is_refused(dhts) -> None:
+    async def main():
+        exchanges = await make_pair(dhts)
+        await stop_all(exchanges)
+        return exchanges[0]
+
+    ex = asyncio.run(main())
+    nan = struct.pack("<3f", 1.0, math.nan, 2.0)
+    with pytest.raises(RoundFailed, match="NaN"):
+        ex._decode({"peer": (0, 3, nan)}, "peer", 0, 3)
+    with pytest.raises(RoundFailed, match="expected slice 1"):
+        ex._decode({"peer": (0, 3, nan)}, "peer", 1, 3)
+
+
+@pytest.mark.parametrize(("numel", "parts", "block"), [(10, 3, 1), (1000, 3, 256), (5, 4, 64), (0, 2, 1)])
+def test_slices_cover_the_vector_on_block_edges(numel: int, parts: int, block: int) -> None:
+    bounds = slice_bounds(numel, parts, block)
+    assert bounds[0] == 0 and bounds[-1] == numel and len(bounds) == parts + 1
+    assert all(a <= b for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(b % block == 0 for b in bounds[:-1])
