@@ -80,50 +80,34 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
 
 @cli.command()
 @training_options
-@click.option("--bootstrap", required=True, help="bootstrap multiaddr, or the HOST:PORT it printed")
-@click.option("--run-id", default="default", show_default=True, help="runs sharing one DHT stay apart")
-@click.option("--host", default="127.0.0.1", show_default=True, help="address this peer listens on")
-@click.option("--port", type=int, default=0, show_default=True, help="libp2p port (0: any free one)")
+@click.option("--bootstrap", default=None, help="bootstrap multiaddr, or the HOST:PORT it printed")
+@click.option("--run-id", default=None, help="runs sharing one DHT stay apart [default: default]")
+@click.option("--host", default=None, help="address this peer listens on [default: 127.0.0.1]")
+@click.option("--port", type=int, default=None, help="libp2p port [default: 0, any free one]")
 @click.option("--announce", default=None, help="address other peers dial (default: --host)")
 @click.option("--shard", default=None, metavar="I/N", help="read data shard I of N (default: by peer id)")
 @click.option(
-    "--wait-peers", type=float, default=300.0, show_default=True, help="seconds to wait for --workers peers"
+    "--wait-peers", type=float, default=None, help="seconds to wait for --workers peers [default: 300]"
 )
 @click.option(
     "--round-timeout",
     type=float,
-    default=60.0,
-    show_default=True,
-    help="seconds a sync may take beyond what measured step times predict",
+    default=None,
+    help="seconds a sync may take beyond what measured step times predict [default: 60]",
 )
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def join(
-    config_path: str | None,
-    bootstrap: str,
-    run_id: str,
-    host: str,
-    port: int,
-    announce: str | None,
-    shard: str | None,
-    wait_peers: float,
-    round_timeout: float,
-    quiet: bool,
-    **options: Any,
-) -> None:
-    """Join a swarm as one peer (one region) and train with the others."""
-    from p2p_cocodc.peer import Peer, SwarmOptions, parse_shard
+def join(config_path: str | None, quiet: bool, **options: Any) -> None:
+    """Join a swarm as one peer (one region) and train with the others.
 
+    Every training option of `simulate` applies; a --config profile may also hold these join
+    options in a [swarm] table (command-line values win)."""
+    from p2p_cocodc.config import SWARM_TABLE, read_toml
+    from p2p_cocodc.peer import SWARM_KEYS, Peer, swarm_options
+
+    swarm_cli = {k: options.pop(k) for k in SWARM_KEYS}
     cfg = _config_from(config_path, options)
-    opts = SwarmOptions(
-        bootstrap=bootstrap,
-        run_id=run_id,
-        host=host,
-        port=port,
-        announce=announce,
-        shard=parse_shard(shard) if shard is not None else None,
-        wait_peers_s=wait_peers,
-        round_timeout_s=round_timeout,
-    )
+    swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
+    opts = swarm_options(swarm_file, swarm_cli)
     summary = run_peer(Peer(cfg, opts), cfg, quiet)
     click.echo(
         f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "
@@ -145,6 +129,104 @@ def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
             return uvloop.run(peer.run(log, progress=bar.update))
     finally:
         log.close()
+
+
+@cli.command()
+@click.option(
+    "--identity",
+    default="bootstrap.id",
+    show_default=True,
+    help="private key file, created on first run; keeps the peer id (and so the join address) stable",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: all)")
+@click.option(
+    "--port",
+    type=int,
+    default=31337,
+    show_default=True,
+    help="libp2p port; fixed so restarts keep the address",
+)
+@click.option("--announce", default=None, metavar="HOST", help="public address peers dial (default: --host)")
+@click.option(
+    "--address-file", default="bootstrap.json", show_default=True, help="write the join addresses here (JSON)"
+)
+@click.option("--status-host", default=None, help="address of the HTTP server (default: --host)")
+@click.option(
+    "--status-port",
+    type=int,
+    default=31338,
+    show_default=True,
+    help="HTTP port serving /address (for join --bootstrap HOST:PORT), /status and /health",
+)
+@click.option(
+    "--refresh", type=float, default=1.0, show_default=True, help="seconds between reads of swarm status"
+)
+def bootstrap(
+    identity: str,
+    host: str,
+    port: int,
+    announce: str | None,
+    address_file: str,
+    status_host: str | None,
+    status_port: int,
+    refresh: float,
+) -> None:
+    """Run the swarm's bootstrap node: the DHT address peers join through, plus a status page."""
+    from p2p_cocodc.bootstrap import BootstrapOptions, run_bootstrap
+
+    opts = BootstrapOptions(
+        identity=identity,
+        host=host,
+        port=port,
+        announce=announce,
+        address_file=address_file,
+        status_host=status_host,
+        status_port=status_port,
+        refresh_s=refresh,
+    )
+    code = run_bootstrap(opts)
+    if code:
+        sys.exit(code)
+
+
+def _demo_option(name: str, default: Any = None, **kwargs: Any) -> Callable[..., Any]:
+    """A join option the demo passes through: join's help text; default None means join's default."""
+    f = FIELDS[name]
+    shown = default if default is not None else f.default
+    if f.metadata["choices"]:
+        kwargs["type"] = click.Choice(f.metadata["choices"])
+    return click.option(
+        "--" + name.replace("_", "-"),
+        name,
+        default=default,
+        metavar=_metavar(f),
+        help=f"{f.metadata['help']} [default: {shown}]",
+        **kwargs,
+    )
+
+
+@cli.command()
+@click.option("--peers", type=click.IntRange(1, 16), default=3, show_default=True, help="peers to start")
+@_demo_option("algo", "cocodc")
+@_demo_option("model", "micro")
+@_demo_option("steps", 192, type=int)
+@_demo_option("inner_steps", 48, type=int)
+@_demo_option("fragments", 4, type=int)
+@_demo_option("overlap", "12")
+@_demo_option("eval_every", 24, type=int)
+@_demo_option("eval_batches", type=int)
+@_demo_option("tokenizer")
+@_demo_option("seq_len", type=int)
+@_demo_option("batch_size", type=int)
+@click.option(
+    "--workdir", type=click.Path(), default=None, help="logs and records go here [default: a new temp dir]"
+)
+@click.option("--quiet", is_flag=True, help="no live progress bars")
+def demo(peers: int, workdir: str | None, quiet: bool, **training: Any) -> None:
+    """Start a bootstrap and PEERS peers on 127.0.0.1, train on the embedded corpus, print the results."""
+    from p2p_cocodc.demo import run_demo
+
+    click.echo(run_demo(peers, training, workdir, quiet))
 
 
 @cli.command()

@@ -206,18 +206,28 @@ def coerce(name: str, value: Any) -> Any:
     return value
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a config file: keys are option names with dashes or underscores."""
+SWARM_TABLE = "swarm"  # a region's profile may carry its join options in a [swarm] table
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file parsed, or UserError saying what is wrong with it."""
     try:
-        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"--config {path}: no such file") from None
     except OSError as exc:
         raise UserError(f"--config {path}: cannot read it ({exc.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"--config {path} is not valid TOML ({exc}): fix the file") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read the training options of a config file: keys are option names with dashes or
+    underscores. A [swarm] table is left to ``join`` (the simulator ignores it)."""
     values = {}
-    for key, value in raw.items():
+    for key, value in read_toml(path).items():
+        if key == SWARM_TABLE and isinstance(value, dict):
+            continue
         name = key.replace("-", "_")
         if name not in FIELDS:
             raise UserError(

@@ -57,6 +57,44 @@ class SwarmOptions:
                 raise UserError(f"--{name.replace('_s', '').replace('_', '-')} must be > 0 seconds")
 
 
+SWARM_KEYS = {
+    "bootstrap": str,
+    "run_id": str,
+    "host": str,
+    "port": int,
+    "announce": str,
+    "shard": str,
+    "wait_peers": float,
+    "round_timeout": float,
+}
+
+
+def swarm_options(file_values: dict[str, Any], cli_values: dict[str, Any]) -> SwarmOptions:
+    """Defaults, then the profile's [swarm] table, then the command line."""
+    merged: dict[str, Any] = {}
+    for key, value in file_values.items():
+        name = key.replace("-", "_")
+        kind = SWARM_KEYS.get(name)
+        if kind is None:
+            raise UserError(f"[swarm] table: unknown key {key!r}; valid keys: {', '.join(SWARM_KEYS)}")
+        allowed = (int, float) if kind is float else (kind,)
+        if not isinstance(value, allowed) or isinstance(value, bool):
+            expected = {str: "a string", int: "an integer", float: "a number"}[kind]
+            raise UserError(f"[swarm] {key} must be {expected}, got {value!r}")
+        merged[name] = value
+    merged.update({k: v for k, v in cli_values.items() if v is not None})
+    if "bootstrap" not in merged:
+        raise UserError(
+            "join needs --bootstrap (the bootstrap's HOST:PORT or multiaddr), or bootstrap in [swarm]"
+        )
+    shard = merged.pop("shard", None)
+    renamed = {"wait_peers": "wait_peers_s", "round_timeout": "round_timeout_s"}
+    return SwarmOptions(
+        shard=parse_shard(shard) if shard is not None else None,
+        **{renamed.get(k, k): (float(v) if k in renamed else v) for k, v in merged.items()},
+    )
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     index, sep, count = text.partition("/")
     if not sep or not index.isdigit() or not count.isdigit():
