@@ -202,3 +202,23 @@ def test_global_parameters_file_loads_into_the_model(tmp_path: Path) -> None:
     state = load_file(str(tmp_path / "theta.safetensors"))
     model.load_state_dict(state)
     assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_peers_with_different_options_refuse_to_train_together(tmp_path: Path) -> None:
+    boot = start_bootstrap(tmp_path)
+    peers = [
+        spawn(
+            ["join", "--bootstrap", boot.maddr, *TINY, "--workers", "2", "--seed", str(seed)],
+            tmp_path,
+            f"p{seed}.log",
+        )
+        for seed in (0, 1)
+    ]
+    try:
+        codes = [p.wait(timeout=120) for p in peers]
+    finally:
+        for proc in [*peers, boot.proc]:
+            end_group(proc)
+    logs = [(tmp_path / f"p{seed}.log").read_text() for seed in (0, 1)]
+    assert codes == [2, 2], logs
+    assert all("uses a different configuration" in log and "Traceback" not in log for log in logs)
