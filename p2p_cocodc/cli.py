@@ -223,7 +223,7 @@ def _demo_option(name: str, default: Any = None, **kwargs: Any) -> Callable[...,
 )
 @click.option("--quiet", is_flag=True, help="no live progress bars")
 def demo(peers: int, workdir: str | None, quiet: bool, **training: Any) -> None:
-    """Start a bootstrap and PEERS peers on 127.0.0.1, train on the embedded corpus, print the results."""
+    """A whole swarm on this machine: a bootstrap and --peers peers on 127.0.0.1, live, then results."""
     from p2p_cocodc.demo import run_demo
 
     click.echo(run_demo(peers, training, workdir, quiet))

@@ -164,7 +164,9 @@ class Peer:
         try:
             p2p = await dht.replicate_p2p()
             self.peer_id = p2p.peer_id.to_base58()
-            board = Board(dht, self.opts.run_id, self.peer_id, ttl_s=4 * self.opts.heartbeat_s)
+            # A record outlives 8 heartbeats: a peer briefly starved of CPU must not vanish from the
+            # board (a leader would form rounds without it); a dead one is gone within 8 s.
+            board = Board(dht, self.opts.run_id, self.peer_id, ttl_s=8 * self.opts.heartbeat_s)
             await self._refresh(board)
             heartbeat = asyncio.create_task(self._heartbeat(board))
             await self._wait_for_peers(stop)

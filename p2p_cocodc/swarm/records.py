@@ -99,9 +99,14 @@ class Board:
         stores = [(peers_key(self.run_id), self.peer_id, record.to_wire())]
         if run_info is not None:
             stores.append((RUNS_KEY, self.run_id, run_info))
-        for key, subkey, value in stores:
-            future = self.dht.store(key, value, expires, subkey=subkey, return_future=True)
-            await self._bounded(future, f"store {key}")
+        await asyncio.gather(
+            *(
+                self._bounded(
+                    self.dht.store(key, value, expires, subkey=subkey, return_future=True), f"store {key}"
+                )
+                for key, subkey, value in stores
+            )
+        )
 
     async def peers(self) -> dict[str, PeerRecord]:
         """Live peers of the run (this one included once it has published), by peer id."""
