@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.swarm.dht import start_dht
+from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 
 log = logging.getLogger(__name__)
@@ -214,32 +214,6 @@ def bind_status_server(host: str, port: int) -> StatusServer:
         raise UserError(
             f"cannot serve HTTP on {host}:{port} ({exc.strerror or exc}): check --status-host"
         ) from None
-
-
-def p2pd_socket(dht: Any) -> str | None:
-    """Path of p2pd's unix socket in /tmp, or None if hivemind will not say."""
-    from hivemind import DHT
-
-    try:
-        return str(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)["unix"])
-    except Exception as exc:  # noqa: BLE001 - only a cleanup aid; a hivemind without it must still run
-        log.debug("no p2pd socket path: %s", exc)
-        return None
-
-
-def stop_dht(dht: Any, socket_path: str | None) -> None:
-    """Shut the DHT down, and remove p2pd's socket file.
-
-    The DHT may already be gone: systemd's control-group kill signals it too. hivemind removes the socket
-    only if it stops p2pd itself, so a p2pd that died first left the file behind in /tmp.
-    """
-    try:
-        dht.shutdown()
-    except (OSError, EOFError) as exc:
-        log.debug("DHT shutdown: %s", exc)
-    if socket_path and not dht.is_alive():
-        with suppress(OSError):
-            os.remove(socket_path)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -26,12 +26,14 @@ from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strateg
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import RunLog
-from p2p_cocodc.swarm.dht import parse_bootstrap, start_dht
+from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 from p2p_cocodc.training import TrainingSetup, summary_record
 
 log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 3.0  # on SIGINT/SIGTERM, how long syncs in flight may still take
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,9 @@ class Peer:
         initial = await asyncio.to_thread(parse_bootstrap, self.opts.bootstrap)
         # Created on the main thread: the at-fork death signal is tied to the forking thread.
         dht = start_dht(initial, self.opts.host, self.opts.port, self.opts.announce)
+        daemon_socket = p2pd_socket(dht)
         heartbeat: asyncio.Task[None] | None = None
+        p2p = None
         try:
             p2p = await dht.replicate_p2p()
             self.peer_id = p2p.peer_id.to_base58()
@@ -194,7 +198,9 @@ class Peer:
             for task in self.pending.values():
                 task.cancel()
             self.train_pool.shutdown(wait=True, cancel_futures=True)
-            dht.shutdown()
+            if p2p is not None:
+                await p2p.shutdown()  # removes its client socket file
+            stop_dht(dht, daemon_socket)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
@@ -316,7 +322,7 @@ class Peer:
                 last = await self._evaluate(step, started, train_losses, log_file)
             if progress is not None:
                 progress(step, last if last["step"] == step else {})
-        await self._finish_in_flight()
+        await self._finish_in_flight(STOP_GRACE_S if stop.is_set() else self.opts.round_timeout_s * 2)
         if last["step"] != self.step:
             last = await self._evaluate(self.step, started, train_losses, log_file)
         stats = self.exchange.stats
@@ -377,11 +383,12 @@ class Peer:
             self.strategy.apply(p, averaged, step)
             self.versions[p] += 1
 
-    async def _finish_in_flight(self) -> None:
+    async def _finish_in_flight(self, timeout: float) -> None:
         """Let the syncs still running finish (the other peers need our slices); apply none of
-        them, as the simulator's run ends with them unapplied."""
+        them, as the simulator's run ends with them unapplied. Stopped by a signal, the other peers
+        are likely stopping too: wait only briefly."""
         if self.pending:
-            await asyncio.wait(self.pending.values(), timeout=self.opts.round_timeout_s * 2)
+            await asyncio.wait(self.pending.values(), timeout=timeout)
         for task in self.pending.values():
             if not task.done():
                 task.cancel()

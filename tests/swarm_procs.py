@@ -33,14 +33,34 @@ def spawn(args: list[str], cwd: Path, log_name: str) -> subprocess.Popen:
     )
 
 
-def end_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Signal the process group the test started (never anything else)."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-    if sig == signal.SIGKILL:
-        proc.wait(timeout=30)
+def end_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End the process group the test started (never anything else): SIGTERM, so hivemind cleans
+    up its socket files, then SIGKILL whatever is left after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if not group_members(proc.pid):
+            return
+
+
+def socket_files(pids: list[int]) -> list[Path]:
+    """The unix socket files p2pd daemons among ``pids`` listen on (from their command lines)."""
+    paths = []
+    for pid in pids:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for arg in args:
+            if arg.startswith(b"-listen=/unix/"):
+                paths.append(Path(arg.decode()[len("-listen=/unix") :]))
+    return paths
 
 
 def group_members(pgid: int) -> list[int]:

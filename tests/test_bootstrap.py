@@ -24,8 +24,7 @@ from typing import Any
 
 import pytest
 
-from p2p_cocodc.bootstrap import p2pd_socket, stop_dht
-from p2p_cocodc.swarm.dht import parse_bootstrap, start_dht
+from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord
 
 START_DEADLINE_S = 60.0

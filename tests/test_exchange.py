@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from p2p_cocodc.codecs import CODECS, get_codec
-from p2p_cocodc.swarm.dht import start_dht
+from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, slice_bounds
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.wire import BadMessage, parse_request, read_frame
@@ -30,9 +30,10 @@ def dhts():
     """Two fresh DHT nodes per test: a P2P replica is bound to the event loop that first used it."""
     first = start_dht([], "127.0.0.1", 0)
     second = start_dht([str(first.get_visible_maddrs()[0])], "127.0.0.1", 0)
+    sockets = [p2pd_socket(d) for d in (first, second)]
     yield first, second
-    second.shutdown()
-    first.shutdown()
+    for dht, path in zip((second, first), reversed(sockets), strict=True):
+        stop_dht(dht, path)
 
 
 async def make_pair(dhts, codecs=("fp32", "fp32"), timeout=5.0) -> list[FragmentExchange]:
@@ -51,6 +52,7 @@ async def make_pair(dhts, codecs=("fp32", "fp32"), timeout=5.0) -> list[Fragment
 async def stop_all(exchanges: list[FragmentExchange]) -> None:
     for ex in exchanges:
         await ex.stop()
+        await ex.p2p.shutdown()
 
 
 def test_two_peers_get_the_same_average_with_every_codec(dhts) -> None:

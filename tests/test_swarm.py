@@ -22,6 +22,7 @@ from tests.swarm_procs import (
     descendants,
     end_group,
     free_port,
+    socket_files,
     spawn,
     start_bootstrap,
     wait_for,
@@ -160,9 +161,12 @@ def test_killed_peer_leaves_no_process_behind(tmp_path: Path) -> None:
     try:
         # a peer waiting for its partner has its DHT process and p2pd running
         helpers = wait_for(lambda: len(descendants(peer.pid)) >= 2 and descendants(peer.pid), 60, "helpers")
+        sockets = socket_files(helpers)
         peer.send_signal(signal.SIGKILL)  # the main process only, as the OOM killer would
         peer.wait(timeout=10)
         wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in helpers), 10, "helpers to die")
+        for path in sockets:  # a killed p2pd cannot remove its own socket file
+            path.unlink(missing_ok=True)
     finally:
         end_group(peer)
         end_group(boot.proc)

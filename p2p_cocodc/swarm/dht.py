@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import urllib.error
 import urllib.request
+from contextlib import suppress
 from typing import Any
 
 from p2p_cocodc.errors import UserError
+
+log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 _pdeathsig_installed = False
@@ -111,9 +115,9 @@ def start_dht(
 
     kwargs: dict[str, Any] = {"host_maddrs": listen_maddrs(host, port), "nat_port_map": False}
     if announce:
-        kwargs["announce_maddrs"] = listen_maddrs(announce, port) if port else None
         if not port:
             raise UserError("--announce needs a fixed --port: the announced address must be dialable")
+        kwargs["announce_maddrs"] = listen_maddrs(announce, port)
     if identity_path is not None:
         kwargs["identity_path"] = identity_path
     try:
@@ -126,3 +130,29 @@ def start_dht(
                 "running and reachable from here?"
             ) from None
         raise UserError(f"cannot start the DHT on {host}:{port} ({detail}): is the port free?") from None
+
+
+def p2pd_socket(dht: Any) -> str | None:
+    """Path of p2pd's unix socket in /tmp, or None if hivemind will not say."""
+    from hivemind import DHT
+
+    try:
+        return str(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)["unix"])
+    except Exception as exc:  # noqa: BLE001 - only a cleanup aid; a hivemind without it must still run
+        log.debug("no p2pd socket path: %s", exc)
+        return None
+
+
+def stop_dht(dht: Any, socket_path: str | None) -> None:
+    """Shut the DHT down, and remove p2pd's socket file.
+
+    The DHT may already be gone: systemd's control-group kill signals it too. hivemind removes the socket
+    only if it stops p2pd itself, so a p2pd that died first left the file behind in /tmp.
+    """
+    try:
+        dht.shutdown()
+    except (OSError, EOFError) as exc:
+        log.debug("DHT shutdown: %s", exc)
+    if socket_path and not dht.is_alive():
+        with suppress(OSError):
+            os.remove(socket_path)
