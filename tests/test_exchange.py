@@ -18,7 +18,7 @@ from p2p_cocodc.codecs import CODECS, get_codec
 from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, slice_bounds
 from p2p_cocodc.swarm.records import PeerRecord
-from p2p_cocodc.swarm.wire import BadMessage, parse_request, read_frame
+from p2p_cocodc.swarm.wire import BadMessage, parse_members, parse_request, read_frame
 
 
 def record(shard: int) -> PeerRecord:
@@ -179,3 +179,19 @@ def test_slices_cover_the_vector_on_block_edges(numel: int, parts: int, block: i
     assert bounds[0] == 0 and bounds[-1] == numel and len(bounds) == parts + 1
     assert all(a <= b for a, b in zip(bounds, bounds[1:], strict=False))
     assert all(b % block == 0 for b in bounds[:-1])
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"ok": True},
+        {"ok": True, "members": []},
+        {"ok": True, "members": [["a", 0], ["a", 1]]},
+        {"ok": True, "members": [["a", -1]]},
+        {"ok": True, "members": [[1, 0]]},
+        {"ok": True, "members": [["a", 0, "extra"]]},
+    ],
+)
+def test_member_lists_from_a_leader_are_checked(reply: dict) -> None:
+    with pytest.raises(BadMessage):
+        parse_members(reply)

@@ -164,18 +164,20 @@ class FragmentExchange:
 
     async def _form_group(self, round_id: str, state: RoundState, step: int) -> list[tuple[str, int]]:
         tried: set[str] = set()
+        leader = self._leader(tried)
         while True:
-            leader = self._leader(tried)
             if leader == self.peer_id:
                 return await self._lead(state, step)
             reply = await self._join_via(leader, round_id)
+            tried.add(leader)
             if reply is None:  # the leader is gone: the next smallest id leads
-                tried.add(leader)
+                leader = self._leader(tried)
                 continue
-            if "redirect" in reply:
-                if not isinstance(reply["redirect"], str) or reply["redirect"] in tried | {leader}:
+            if "redirect" in reply:  # the leader knows a smaller live id than this peer does
+                target = reply["redirect"]
+                if not isinstance(target, str) or target in tried:
                     raise RoundFailed(f"leader {leader[:12]} sent a bad redirect")
-                tried.add(leader)
+                leader = target
                 continue
             if not reply.get("ok"):
                 raise RoundFailed(f"leader {leader[:12]} refused: {reply.get('error', '?')}")

@@ -103,6 +103,8 @@ def parse_members(body: dict[str, Any]) -> list[tuple[str, int]]:
         ):
             raise BadMessage("each member must be [peer id, shard]")
         parsed.append((item[0], item[1]))
+    if len({peer for peer, _ in parsed}) != len(parsed):
+        raise BadMessage("a peer appears twice in the member list")
     return parsed
 
 
