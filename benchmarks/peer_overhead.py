@@ -142,7 +142,8 @@ Training options: `{" ".join(training)}`
 |---|---|---|---|---|
 {table}
 
-**Median ratio: {median:.3f}** (target ≥ 0.95).
+**Median ratio: {median:.3f}** (target ≥ 0.95), spread {min(r[4] for r in rows):.3f} to
+{max(r[4] for r in rows):.3f} over the repeats: the machine is shared, so single repeats are noisy.
 """
     path = ROOT / "docs" / "performance.md"
     path.write_text(text)

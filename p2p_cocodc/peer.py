@@ -151,6 +151,7 @@ class Peer:
         self.pending: dict[int, asyncio.Task[torch.Tensor]] = {}
         self.shard_index: int | None = opts.shard[0] if opts.shard else None
         self.exchange: FragmentExchange | None = None
+        self.heartbeat: asyncio.Task[None] | None = None
 
     # ---- lifecycle ----
 
@@ -163,7 +164,6 @@ class Peer:
         # Created on the main thread: the at-fork death signal is tied to the forking thread.
         dht = start_dht(initial, self.opts.host, self.opts.port, self.opts.announce)
         daemon_socket = p2pd_socket(dht)
-        heartbeat: asyncio.Task[None] | None = None
         p2p = None
         try:
             p2p = await dht.replicate_p2p()
@@ -172,7 +172,7 @@ class Peer:
             # board (a leader would form rounds without it); a dead one is gone within 8 s.
             board = Board(dht, self.opts.run_id, self.peer_id, ttl_s=8 * self.opts.heartbeat_s)
             await self._refresh(board)
-            heartbeat = asyncio.create_task(self._heartbeat(board))
+            self.heartbeat = asyncio.create_task(self._heartbeat(board))
             await self._wait_for_peers(stop)
             self.exchange = FragmentExchange(
                 p2p,
@@ -193,8 +193,8 @@ class Peer:
             await self.exchange.stop()
             return summary
         finally:
-            if heartbeat is not None:
-                heartbeat.cancel()
+            if self.heartbeat is not None:
+                self.heartbeat.cancel()
             for task in self.pending.values():
                 task.cancel()
             self.train_pool.shutdown(wait=True, cancel_futures=True)
@@ -225,12 +225,25 @@ class Peer:
         self.view = await board.peers()
 
     async def _heartbeat(self, board: Board) -> None:
+        """Keep this peer on the board; give up once the DHT has failed for a whole record lifetime."""
+        last_ok = time.monotonic()
         while True:
             await asyncio.sleep(self.opts.heartbeat_s)
             try:
                 await self._refresh(board)
+                last_ok = time.monotonic()
             except ConnectionError as exc:
+                if time.monotonic() - last_ok > board.ttl_s:
+                    raise UserError(
+                        f"lost the swarm's DHT for {time.monotonic() - last_ok:.0f} s ({exc}); this peer "
+                        "can no longer train with the others"
+                    ) from None
                 log.warning("notice board unreachable: %s", exc)
+
+    def _check_swarm(self) -> None:
+        """Raise what ended the heartbeat, if it has ended."""
+        if self.heartbeat is not None and self.heartbeat.done() and not self.heartbeat.cancelled():
+            self.heartbeat.result()
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> None:
         """Block until --workers peers of this run are live, then settle this peer's data shard."""
@@ -270,6 +283,7 @@ class Peer:
             await asyncio.sleep(0.2)
 
     def _check_wait(self, stop: asyncio.Event, deadline: float, what: str) -> None:
+        self._check_swarm()
         if stop.is_set():
             raise UserError("interrupted while waiting for peers")
         if time.monotonic() > deadline:
@@ -309,6 +323,7 @@ class Peer:
             if stop.is_set():
                 log.warning("stopping after step %d on a signal", self.step)
                 break
+            self._check_swarm()
             t0 = time.perf_counter()
             train_losses.append(await self._inner_step(step, *shard.batch(step - 1)))
             elapsed = time.perf_counter() - t0
@@ -353,8 +368,13 @@ class Peer:
             assert self.exchange is not None
             loss = await self._in_train_thread(self.trainer.backward, x, y)
             started = time.perf_counter()
-            averaged = await self.exchange.allreduce(f"g:{step}", self.strategy.gradient_payload(), step)
-            self.stall_s += time.perf_counter() - started
+            try:
+                averaged = await self.exchange.allreduce(f"g:{step}", self.strategy.gradient_payload(), step)
+            except RoundFailed as exc:
+                log.warning("gradient all-reduce of step %d failed (%s); step skipped", step, exc)
+                return loss
+            finally:
+                self.stall_s += time.perf_counter() - started
             self.strategy.apply_gradients(averaged)
             await self._in_train_thread(self.trainer.update, step)
         if not torch.isfinite(torch.tensor(loss)):

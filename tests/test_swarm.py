@@ -7,9 +7,12 @@ distributed pipeline computes the algorithm itself, not something near it.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -172,21 +175,28 @@ def test_killed_peer_leaves_no_process_behind(tmp_path: Path) -> None:
         end_group(boot.proc)
 
 
-def test_sigterm_stops_a_peer_cleanly(tmp_path: Path) -> None:
+@contextmanager
+def training_alone(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """A one-peer run (no partner to wait for) that trains until stopped, ended whatever happens."""
     boot = start_bootstrap(tmp_path)
     args = ["join", "--bootstrap", boot.maddr, *TINY, "--workers", "1", "--steps", "100000"]
     peer = spawn(args + ["--out", "peer.jsonl"], tmp_path, "peer.log")
     try:
         out = tmp_path / "peer.jsonl"
         wait_for(lambda: out.exists() and len(records(out)) >= 2, 90, "training to start")
+        yield peer, out
+    finally:
+        end_group(peer)
+        end_group(boot.proc)
+
+
+def test_sigterm_stops_a_peer_cleanly(tmp_path: Path) -> None:
+    with training_alone(tmp_path) as (peer, out):
         peer.send_signal(signal.SIGTERM)
         assert peer.wait(timeout=30) == 0, (tmp_path / "peer.log").read_text()[-2000:]
         summary = records(out)[-1]
         assert summary["kind"] == "summary" and 8 <= summary["steps"] < 100000
         assert descendants(peer.pid) == []
-    finally:
-        end_group(peer)
-        end_group(boot.proc)
 
 
 def test_global_parameters_file_loads_into_the_model(tmp_path: Path) -> None:
@@ -226,3 +236,15 @@ def test_peers_with_different_options_refuse_to_train_together(tmp_path: Path) -
     logs = [(tmp_path / f"p{seed}.log").read_text() for seed in (0, 1)]
     assert codes == [2, 2], logs
     assert all("uses a different configuration" in log and "Traceback" not in log for log in logs)
+
+
+def test_a_peer_whose_dht_dies_ends_with_a_clear_message(tmp_path: Path) -> None:
+    with training_alone(tmp_path) as (peer, _):
+        own = Path(f"/proc/{peer.pid}/cmdline").read_bytes()
+        # hivemind forks its DHT process from the peer: same command line, a child of the peer
+        dht = [p for p in descendants(peer.pid) if Path(f"/proc/{p}/cmdline").read_bytes() == own]
+        assert len(dht) == 1
+        os.kill(dht[0], signal.SIGKILL)
+        assert peer.wait(timeout=60) == 2
+        log = (tmp_path / "peer.log").read_text()
+        assert "lost the swarm's DHT" in log and "Traceback" not in log, log[-2000:]
