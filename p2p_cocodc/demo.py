@@ -34,7 +34,7 @@ RUN_ID = "demo"
 BOOTSTRAP_READY_S = 60.0  # hivemind's p2pd usually answers in a few seconds
 POLL_S = 0.5
 STATUS_EVERY_S = 1.0  # the bootstrap refreshes its /status snapshot about this often
-TERM_GRACE_S = 5.0  # a peer on SIGTERM finishes its step and writes its summary well within this
+TERM_GRACE_S = 15.0  # a peer on SIGTERM finishes its step, writes its summary and shuts hivemind down
 PR_SET_PDEATHSIG = 1
 # Looked up before any fork: between fork and exec the child should do as little as possible.
 _PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
