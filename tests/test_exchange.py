@@ -195,3 +195,22 @@ def test_slices_cover_the_vector_on_block_edges(numel: int, parts: int, block: i
 def test_member_lists_from_a_leader_are_checked(reply: dict) -> None:
     with pytest.raises(BadMessage):
         parse_members(reply)
+
+
+def test_a_peer_left_out_of_a_round_takes_the_members_average(dhts) -> None:
+    async def main():
+        exchanges = await make_pair(dhts, timeout=0.5)
+        leader, late = sorted(exchanges, key=lambda ex: ex.peer_id)
+        try:
+            # the leader waits 0.5 s for the other peer (the board says it is at the step), then
+            # averages alone; the late peer arrives after that and must still end with that average
+            first = asyncio.ensure_future(leader.allreduce("late", torch.full((300,), 2.0), 1))
+            await asyncio.sleep(2.0)
+            second = await late.allreduce("late", torch.full((300,), 7.0), 1)
+            return await first, second, late.stats.rounds_done
+        finally:
+            await stop_all(exchanges)
+
+    leaders, lates, done = asyncio.run(main())
+    assert torch.equal(leaders, torch.full((300,), 2.0))
+    assert torch.equal(lates, leaders) and done == 1

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from p2p_cocodc.codecs import Codec, mean_in_order
+from p2p_cocodc.codecs import Codec, get_codec, mean_in_order
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.wire import (
@@ -47,6 +47,8 @@ MAX_OPEN_ROUNDS = 256  # rounds other peers may open here before this peer reach
 MESSAGE_TIMEOUT_S = 30.0  # one message (not a whole round) must arrive within this
 RETRY_PAUSE_S = 0.2
 MAX_FINISHED = 4096  # finished round ids remembered, to answer late deliveries
+MAX_SERVED = 64  # recent averages kept for peers left out of their round
+EXACT = get_codec("fp32")  # averages served to a left-out peer: bit-exact
 
 
 class RoundFailed(Exception):
@@ -63,6 +65,9 @@ class RoundState:
     )
     parts: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)  # sender -> (slice, n, data)
     results: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)
+    outcome: asyncio.Future[torch.Tensor | None] = field(  # the average here; None if the round failed
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
 
@@ -124,6 +129,7 @@ class FragmentExchange:
         self.round_timeout_s = round_timeout_s
         self.rounds: dict[str, RoundState] = {}
         self.finished: dict[str, None] = {}  # recent rounds, oldest first
+        self.served: dict[str, tuple[list[tuple[str, int]], torch.Tensor]] = {}  # members, average
         self.stats = ExchangeStats()
 
     async def start(self) -> None:
@@ -138,21 +144,47 @@ class FragmentExchange:
     # ---- running a round ----
 
     async def allreduce(self, round_id: str, vector: torch.Tensor, step: int) -> torch.Tensor:
-        """The mean of ``vector`` over this round's members (this peer included)."""
+        """The mean of ``vector`` over this round's members. A peer the leader left out (it came
+        after the deadline) gets the members' mean instead, so its θ̄ stays the same as theirs."""
         state = self._round(round_id)
+        averaged = None
         try:
             members = await self._form_group(round_id, state, step)
-            averaged = await self._butterfly(round_id, state, members, vector)
+            if self.peer_id in [p for p, _ in members]:
+                averaged = await self._butterfly(round_id, state, members, vector)
+            else:
+                averaged = await self._fetch_average(round_id, members, vector.numel())
+            self.served[round_id] = (members, averaged)
+            if len(self.served) > MAX_SERVED:
+                del self.served[next(iter(self.served))]
         except RoundFailed:
             self.stats.rounds_failed += 1
             raise
         finally:
+            if not state.outcome.done():
+                state.outcome.set_result(averaged)
             self.rounds.pop(round_id, None)
             self.finished[round_id] = None
             if len(self.finished) > MAX_FINISHED:
                 del self.finished[next(iter(self.finished))]
         self.stats.rounds_done += 1
         return averaged
+
+    async def _fetch_average(self, round_id: str, members: list[tuple[str, int]], numel: int) -> torch.Tensor:
+        """The mean a round's members computed without this peer, from the first member that has it."""
+        log.warning("left out of round %s (too late for its leader); taking the members' average", round_id)
+        for peer, _ in members:
+            try:
+                reply = await self._call(peer, Request("fetch", round_id), self.round_timeout_s * 2)
+            except ConnectionError as exc:
+                log.info("cannot fetch round %s from %s: %s", round_id, peer[:12], exc)
+                continue
+            if reply.get("ok") and reply.get("numel") == numel and isinstance(reply.get("data"), bytes):
+                try:
+                    return EXACT.decode(reply["data"], numel)
+                except UserError as exc:
+                    log.warning("peer %s served a bad average of round %s: %s", peer[:12], round_id, exc)
+        raise RoundFailed("left out of the round, and no member served its average")
 
     def _live_training(self) -> dict[str, PeerRecord]:
         view = self.board_view()
@@ -185,8 +217,6 @@ class FragmentExchange:
                 members = parse_members(reply)
             except BadMessage as exc:
                 raise RoundFailed(f"leader {leader[:12]} sent a bad member list: {exc}") from None
-            if self.peer_id not in [p for p, _ in members]:
-                raise RoundFailed("left out of the round (joined after the leader's deadline)")
             return members
 
     async def _join_via(self, leader: str, round_id: str) -> dict[str, Any] | None:
@@ -356,10 +386,29 @@ class FragmentExchange:
         finally:
             writer.close()
 
+    async def _serve_average(self, round_id: str) -> dict[str, Any]:
+        """A round's average for a peer that was left out of it, once this peer has it."""
+        if round_id not in self.served:
+            state = self.rounds.get(round_id)
+            if state is None:
+                return {"ok": False, "error": f"no average of round {round_id} here"}
+            try:
+                await asyncio.wait_for(asyncio.shield(state.outcome), self.round_timeout_s)
+            except TimeoutError:
+                return {"ok": False, "error": f"round {round_id} is still running here"}
+            if round_id not in self.served:
+                return {"ok": False, "error": f"round {round_id} failed here"}
+        average = self.served[round_id][1]
+        return {"ok": True, "numel": average.numel(), "data": EXACT.encode(average)}
+
     async def _dispatch(self, sender: str, request: Request) -> dict[str, Any]:
+        if request.kind == "fetch":
+            return await self._serve_average(request.round_id)
         if request.round_id in self.finished:
             if request.kind != "join":  # a retried delivery this peer no longer needs
                 return {"ok": True}
+            if request.round_id in self.served:  # a late joiner: it learns it was left out
+                return {"ok": True, "members": [list(m) for m in self.served[request.round_id][0]]}
             return {"ok": False, "error": f"round {request.round_id} is over here"}
         state = self._round(request.round_id)
         if request.kind != "join":

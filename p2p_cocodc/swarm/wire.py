@@ -16,7 +16,7 @@ import msgpack
 HEADER = 4
 MAX_FRAME = 1 << 30  # 1 GiB: a slice of a fragment of a multi-billion-parameter model in fp32
 MAX_ROUND_ID = 64
-KINDS = ("join", "part", "result")
+KINDS = ("join", "part", "result", "fetch")
 
 
 class BadMessage(Exception):
@@ -37,7 +37,7 @@ class Request:
         body: dict[str, Any] = {"kind": self.kind, "round": self.round_id}
         if self.kind == "join":
             body.update(shard=self.shard, fingerprint=self.fingerprint)
-        else:
+        elif self.kind != "fetch":
             body.update(slice=self.slice_index, numel=self.numel, data=self.data)
         return body
 
@@ -82,6 +82,8 @@ def parse_request(body: dict[str, Any]) -> Request:
         if not _is_index(shard) or not isinstance(fingerprint, str) or len(fingerprint) > 64:
             raise BadMessage("join needs an int 'shard' ≥ 0 and a string 'fingerprint'")
         return Request(kind, round_id, shard=shard, fingerprint=fingerprint)
+    if kind == "fetch":  # a left-out peer asks for the round's average
+        return Request(kind, round_id)
     index, numel, data = body.get("slice"), body.get("numel"), body.get("data")
     if not _is_index(index) or not _is_index(numel) or not isinstance(data, bytes):
         raise BadMessage(f"{kind} needs int 'slice' and 'numel' ≥ 0 and bytes 'data'")
