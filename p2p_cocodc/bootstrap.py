@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.logs import configure_logging
 from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 
@@ -133,7 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def run_bootstrap(opts: BootstrapOptions) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the DHT process dies (exit code 1)."""
-    _configure_logging()
+    configure_logging(logging.INFO)
     check_options(opts)
     status_host = opts.status_host or opts.host
     with ExitStack() as stack:
@@ -362,8 +363,3 @@ def _jsonable(value: Any) -> Any:
 
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, allow_nan=False).encode()
-
-
-def _configure_logging() -> None:
-    """Our warnings with a timestamp on stderr; hivemind keeps its own handler (it does not propagate)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

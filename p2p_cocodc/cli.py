@@ -101,9 +101,13 @@ def join(config_path: str | None, quiet: bool, **options: Any) -> None:
 
     Every training option of `simulate` applies; a --config profile may also hold these join
     options in a [swarm] table (command-line values win)."""
+    import logging
+
     from p2p_cocodc.config import SWARM_TABLE, read_toml
+    from p2p_cocodc.logs import configure_logging
     from p2p_cocodc.peer import SWARM_KEYS, Peer, swarm_options
 
+    configure_logging(logging.WARNING)
     swarm_cli = {k: options.pop(k) for k in SWARM_KEYS}
     cfg = _config_from(config_path, options)
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
