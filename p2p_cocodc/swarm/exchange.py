@@ -69,7 +69,6 @@ class RoundState:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    created: float = field(default_factory=time.monotonic)
 
     def notify(self) -> None:
         self.changed.set()
