@@ -293,15 +293,19 @@ class Peer:
             )
 
     def _settle_shard(self, live: list[str], records: dict[str, PeerRecord]) -> None:
+        """Keep --shard, or take a shard no live peer reads: peers without one, in id order, take
+        the free shards in order (every peer computes the same split from the same board)."""
         if len(live) > self.cfg.workers:
             raise UserError(
                 f"{len(live)} peers joined run {self.opts.run_id!r} but --workers is {self.cfg.workers}: "
                 "give every peer the same --workers, or use another --run-id"
             )
-        if self.shard_index is None:
-            self.shard_index = live.index(self.peer_id)
         taken = {r.shard: p for p, r in records.items() if r.shard is not None and p != self.peer_id}
-        if self.shard_index in taken:
+        if self.shard_index is None:
+            free = [i for i in range(self.cfg.workers) if i not in taken]
+            unsettled = [p for p in live if records[p].shard is None or p == self.peer_id]
+            self.shard_index = free[unsettled.index(self.peer_id)]
+        elif self.shard_index in taken:
             raise UserError(
                 f"--shard {self.shard_index}/{self.cfg.workers} is already read by peer "
                 f"{taken[self.shard_index][:12]}: give each peer its own shard"
