@@ -142,6 +142,7 @@ class Peer:
         self.eval_model = copy.deepcopy(self.setup.base)
         self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
         self.view: dict[str, PeerRecord] = {}
+        self.last_seen: dict[str, float] = {}  # peer id -> when its record was last read
         self.state = "waiting"
         self.step = 0
         self.step_time_s = step_time or 0.0
@@ -220,9 +221,16 @@ class Peer:
         )
 
     async def _refresh(self, board: Board) -> None:
+        """Publish this peer's record and update the view of the others. A peer stays in the view
+        until it has been missing for a whole record lifetime: a DHT read under load can miss a
+        live record, and a leader must not form a round without a peer that is still there."""
         run_info = {"algo": self.cfg.algo, "model": self.cfg.model, "workers": self.cfg.workers}
         await board.publish(self._record(), run_info)
-        self.view = await board.peers()
+        fresh = await board.peers()
+        now = time.monotonic()
+        self.last_seen.update(dict.fromkeys(fresh, now))
+        view = {**self.view, **fresh}
+        self.view = {p: r for p, r in view.items() if now - self.last_seen[p] <= board.ttl_s}
 
     async def _heartbeat(self, board: Board) -> None:
         """Keep this peer on the board; give up once the DHT has failed for a whole record lifetime."""

@@ -48,6 +48,7 @@ MESSAGE_TIMEOUT_S = 30.0  # one message (not a whole round) must arrive within t
 RETRY_PAUSE_S = 0.2
 MAX_FINISHED = 4096  # finished round ids remembered, to answer late deliveries
 MAX_SERVED = 64  # recent averages kept for peers left out of their round
+STOP_GRACE_S = 5.0  # how long stop() lets answers in progress finish
 EXACT = get_codec("fp32")  # averages served to a left-out peer: bit-exact
 
 
@@ -130,11 +131,16 @@ class FragmentExchange:
         self.finished: dict[str, None] = {}  # recent rounds, oldest first
         self.served: dict[str, tuple[list[tuple[str, int]], torch.Tensor]] = {}  # members, average
         self.stats = ExchangeStats()
+        self.serving: set[asyncio.Task[Any]] = set()  # answers being written to other peers
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.protocol, self._serve)
 
     async def stop(self) -> None:
+        """Stop serving, once the answers being written have gone out: the last peer to finish a
+        round must still get our reply to its last delivery."""
+        if self.serving:
+            await asyncio.wait(self.serving, timeout=STOP_GRACE_S)
         try:
             await self.p2p.remove_binary_stream_handler(self.protocol)
         except Exception:  # noqa: BLE001 - the daemon may already be gone at shutdown
@@ -170,20 +176,35 @@ class FragmentExchange:
         return averaged
 
     async def _fetch_average(self, round_id: str, members: list[tuple[str, int]], numel: int) -> torch.Tensor:
-        """The mean a round's members computed without this peer, from the first member that has it."""
+        """The mean a round's members computed without this peer, from whichever member answers first
+        (asked all at once: some may have finished and left)."""
         log.warning("left out of round %s (too late for its leader); taking the members' average", round_id)
-        for peer, _ in members:
+
+        async def ask(peer: str) -> torch.Tensor:
+            reply = await self._call(peer, Request("fetch", round_id), self.round_timeout_s * 2)
+            if not (reply.get("ok") and reply.get("numel") == numel and isinstance(reply.get("data"), bytes)):
+                raise ConnectionError(f"{peer[:12]} has no average: {reply.get('error', 'bad reply')}")
             try:
-                reply = await self._call(peer, Request("fetch", round_id), self.round_timeout_s * 2)
-            except ConnectionError as exc:
-                log.info("cannot fetch round %s from %s: %s", round_id, peer[:12], exc)
-                continue
-            if reply.get("ok") and reply.get("numel") == numel and isinstance(reply.get("data"), bytes):
+                return EXACT.decode(reply["data"], numel)
+            except UserError as exc:
+                raise ConnectionError(f"{peer[:12]} served a bad average: {exc}") from None
+
+        asks = [asyncio.ensure_future(ask(peer)) for peer, _ in members]
+        try:
+            for next_answer in asyncio.as_completed(asks):
                 try:
-                    return EXACT.decode(reply["data"], numel)
-                except UserError as exc:
-                    log.warning("peer %s served a bad average of round %s: %s", peer[:12], round_id, exc)
+                    return await next_answer
+                except ConnectionError as exc:
+                    log.info("cannot fetch round %s: %s", round_id, exc)
+        finally:
+            for task in asks:
+                task.cancel()
         raise RoundFailed("left out of the round, and no member served its average")
+
+    def _has_finished(self, peer: str) -> bool:
+        """A peer says "done" only once all its rounds are complete (see the peer's shutdown)."""
+        record = self.board_view().get(peer)
+        return record is not None and record.state == "done"
 
     def _live_training(self) -> dict[str, PeerRecord]:
         view = self.board_view()
@@ -325,6 +346,8 @@ class FragmentExchange:
                     reply = await self._call(peer, request)
                     break
                 except ConnectionError as exc:
+                    if self._has_finished(peer):
+                        return  # it said "done" after its last round: it had everything it needed
                     if time.monotonic() + RETRY_PAUSE_S >= deadline:
                         raise RoundFailed(f"a member is unreachable: {exc}") from None
                     log.info("retrying %s: %s", kind, exc)
@@ -371,6 +394,15 @@ class FragmentExchange:
         return state
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.serving.add(task)
+        try:
+            await self._answer(info, reader, writer)
+        finally:
+            self.serving.discard(task)
+
+    async def _answer(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()  # authenticated by libp2p; never taken from the payload
         try:
             request = parse_request(await read_frame(reader, MESSAGE_TIMEOUT_S))
