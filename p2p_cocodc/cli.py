@@ -107,7 +107,7 @@ def join(config_path: str | None, quiet: bool, **options: Any) -> None:
     from p2p_cocodc.logs import configure_logging
     from p2p_cocodc.peer import SWARM_KEYS, Peer, swarm_options
 
-    configure_logging(logging.INFO)
+    configure_logging(logging.WARNING)
     swarm_cli = {k: options.pop(k) for k in SWARM_KEYS}
     cfg = _config_from(config_path, options)
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
