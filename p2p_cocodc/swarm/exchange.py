@@ -38,6 +38,7 @@ from p2p_cocodc.swarm.wire import (
     parse_members,
     parse_request,
     read_frame,
+    transfer_allowance_s,
     write_frame,
 )
 
@@ -295,7 +296,9 @@ class FragmentExchange:
         encoded = await asyncio.to_thread(
             lambda: [self.codec.encode(vector[bounds[j] : bounds[j + 1]]) for j in range(len(peers))]
         )
-        deadline = time.monotonic() + self.round_timeout_s
+        # --round-timeout on top of two transfers of the whole encoded vector over a slow link
+        wire = sum(len(e) for e in encoded)
+        deadline = time.monotonic() + self.round_timeout_s + 2 * transfer_allowance_s(wire)
         state.parts[self.peer_id] = (me, sizes[me], encoded[me])
         others = [j for j in range(len(peers)) if j != me]
         await self._send_all(
@@ -373,7 +376,8 @@ class FragmentExchange:
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.protocol),
                 MESSAGE_TIMEOUT_S,
             )
-            await asyncio.wait_for(write_frame(writer, request.to_wire()), MESSAGE_TIMEOUT_S)
+            sending = MESSAGE_TIMEOUT_S + transfer_allowance_s(len(request.data))
+            await asyncio.wait_for(write_frame(writer, request.to_wire()), sending)
             return await read_frame(reader, timeout)
         except (BadMessage, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             raise ConnectionError(f"{request.kind} to {peer[:12]}: {exc}") from None
@@ -411,7 +415,8 @@ class FragmentExchange:
             log.warning("bad message from %s: %s", sender[:12], exc)
             reply = {"ok": False, "error": str(exc)}
         try:
-            await asyncio.wait_for(write_frame(writer, reply), MESSAGE_TIMEOUT_S)
+            sending = MESSAGE_TIMEOUT_S + transfer_allowance_s(len(reply.get("data", b"")))
+            await asyncio.wait_for(write_frame(writer, reply), sending)
         except (OSError, TimeoutError):
             log.debug("could not answer %s", sender[:12])
         finally:

@@ -16,6 +16,14 @@ import msgpack
 HEADER = 4
 MAX_FRAME = 1 << 30  # 1 GiB: a slice of a fragment of a multi-billion-parameter model in fp32
 MAX_ROUND_ID = 64
+SLOWEST_LINK_MBPS = 10.0  # deadlines for moving N bytes allow for a link this slow
+
+
+def transfer_allowance_s(num_bytes: int) -> float:
+    """Seconds to allow for moving ``num_bytes`` over the slowest link we plan for."""
+    return 8.0 * num_bytes / (SLOWEST_LINK_MBPS * 1e6)
+
+
 KINDS = ("join", "part", "result", "fetch")
 
 
@@ -52,11 +60,13 @@ async def write_frame(writer: asyncio.StreamWriter, body: dict[str, Any]) -> int
 
 
 async def read_frame(reader: asyncio.StreamReader, timeout: float) -> dict[str, Any]:
+    """One message; ``timeout`` for the header, plus time for the announced size on a slow link."""
     try:
         header = await asyncio.wait_for(reader.readexactly(HEADER), timeout)
         size = int.from_bytes(header, "big")
         if size > MAX_FRAME:
             raise BadMessage(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
+        timeout += transfer_allowance_s(size)
         raw = await asyncio.wait_for(reader.readexactly(size), timeout)
     except asyncio.IncompleteReadError:
         raise BadMessage("stream closed in the middle of a message") from None
