@@ -216,14 +216,15 @@ class Processes:
             frontier = found
 
     def stop_all(self) -> None:
-        """SIGTERM every process group we started, give them TERM_GRACE_S, then SIGKILL what is left;
+        """SIGTERM every process we started, give them TERM_GRACE_S, then SIGKILL their groups;
         then the same for the strays. A second Ctrl-C or SIGTERM meanwhile is ignored: cutting this
         short would leave processes behind."""
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.note_strays()
-            for child in self.children:
-                child.signal_group(signal.SIGTERM)
+            for child in self.children:  # the main process only: it shuts its DHT and p2pd down itself
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
             self._wait(lambda: not any(c.group_alive() for c in self.children))
             for child in self.children:
                 child.signal_group(signal.SIGKILL)

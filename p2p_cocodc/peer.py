@@ -190,9 +190,14 @@ class Peer:
             await self._wait_for_start(stop)
             summary = await self._train(log_file, stop, progress)
             self.state = "done"
-            await self._refresh(board)
+            try:
+                await self._refresh(board)
+            except ConnectionError as exc:  # the summary is written; others see us expire instead
+                log.warning("could not announce 'done' on the board: %s", exc)
             await self.exchange.stop()
             return summary
+        except ConnectionError as exc:
+            raise UserError(f"the swarm's DHT does not answer ({exc}); is the bootstrap still up?") from None
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.cancel()

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,20 +34,19 @@ def spawn(args: list[str], cwd: Path, log_name: str) -> subprocess.Popen:
     )
 
 
-def end_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """End the process group the test started (never anything else): SIGTERM, so hivemind cleans
-    up its socket files, then SIGKILL whatever is left after ``grace_s``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
+def end_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """End what the test started (never anything else): SIGTERM to the main process, which shuts
+    hivemind down and removes its socket files, then SIGKILL to its group after ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            continue
-        if not group_members(proc.pid):
-            return
+            pass
+    if group_members(proc.pid):
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
 
 
 def socket_files(pids: list[int]) -> list[Path]:

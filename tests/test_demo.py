@@ -87,6 +87,10 @@ def test_demo_trains_three_peers_and_leaves_nothing_behind(tmp_path: Path) -> No
     assert all((tmp_path / "work" / f"peer{i}.log").exists() for i in range(3))
 
 
+def _has_records(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
+
+
 def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
     work = tmp_path / "work"
     demo = start_demo(work, "--steps", "100000")
@@ -94,7 +98,8 @@ def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
         # interrupt once every peer trains: then the bootstrap, the peers and all their helpers run
         def training() -> bool:
             assert demo.poll() is None, demo.communicate()[1][-3000:]
-            return all((work / f"peer{i}.jsonl").exists() for i in range(3))
+            # a record file is opened at start; its first record (step 0) is written once training runs
+            return all(_has_records(work / f"peer{i}.jsonl") for i in range(3))
 
         wait_for(training, 90, "the peers to start training")
         groups = {g for g in map(group_of, descendants(demo.pid)) if g is not None} - {demo.pid}
