@@ -27,6 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_cli(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``p2p-cocodc ARGS`` to completion, output captured."""
+    return subprocess.run(CLI + args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
 def spawn(args: list[str], cwd: Path, log_name: str) -> subprocess.Popen:
     log = open(cwd / log_name, "w")  # noqa: SIM115 - the process owns it until it ends
     return subprocess.Popen(

@@ -18,15 +18,10 @@ from typing import Any
 
 import pytest
 
+from tests.tiny_options import TINY_MODEL
+
 TINY = [
-    "--model",
-    "nano",
-    "--tokenizer",
-    "byte",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
+    *TINY_MODEL,
     "--workers",
     "2",
     "--steps",

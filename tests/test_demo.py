@@ -9,30 +9,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.swarm_procs import CLI, ENV, descendants, end_group, group_members, wait_for
+from tests.swarm_procs import CLI, ENV, descendants, end_group, group_members, run_cli, wait_for
+from tests.tiny_options import TINY_MODEL, TINY_SYNCS
 
-SMALL = [
-    "--model",
-    "nano",
-    "--tokenizer",
-    "byte",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--steps",
-    "16",
-    "--inner-steps",
-    "8",
-    "--fragments",
-    "2",
-    "--overlap",
-    "2",
-    "--eval-every",
-    "8",
-    "--eval-batches",
-    "2",
-]
+SMALL = [*TINY_MODEL, "--steps", "16", *TINY_SYNCS]
 
 
 def start_demo(workdir: Path, *extra: str) -> subprocess.Popen[str]:
@@ -115,13 +95,7 @@ def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
 
 def test_a_failing_process_ends_the_demo_with_one_error_line(tmp_path: Path) -> None:
     (tmp_path / "bootstrap.id").write_bytes(b"not a key")  # the bootstrap exits 2 on it at once
-    done = subprocess.run(
-        CLI + ["demo", "--quiet", "--workdir", str(tmp_path), *SMALL],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=120,
-    )
+    done = run_cli(["demo", "--quiet", "--workdir", str(tmp_path), *SMALL], tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, done.stderr

@@ -20,40 +20,24 @@ import torch
 from safetensors.torch import load_file
 
 from tests.swarm_procs import (
-    CLI,
-    ENV,
     descendants,
     end_group,
     free_port,
+    run_cli,
     socket_files,
     spawn,
     start_bootstrap,
     wait_for,
 )
+from tests.tiny_options import TINY_MODEL, TINY_SYNCS
 
 TINY = [
-    "--model",
-    "nano",
-    "--tokenizer",
-    "byte",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
+    *TINY_MODEL,
     "--workers",
     "3",
     "--steps",
     "32",
-    "--inner-steps",
-    "8",
-    "--fragments",
-    "2",
-    "--overlap",
-    "2",
-    "--eval-every",
-    "8",
-    "--eval-batches",
-    "2",
+    *TINY_SYNCS,
     "--threads",
     "1",
     "--codec",
@@ -79,12 +63,9 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
                 args += ["--shard", f"{i}/3"]
             args += ["--out", f"peer{i}.jsonl", "--save", f"peer{i}.safetensors", "--run-id", f"t-{algo}"]
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
-        sim = subprocess.run(
-            CLI + ["simulate", "--algo", algo, *TINY, "--out", "sim.jsonl", "--save", "sim.safetensors"],
-            cwd=tmp_path,
-            env=ENV,
-            capture_output=True,
-            text=True,
+        sim = run_cli(
+            ["simulate", "--algo", algo, *TINY, "--out", "sim.jsonl", "--save", "sim.safetensors"],
+            tmp_path,
             timeout=120,
         )
         assert sim.returncode == 0, sim.stderr
@@ -123,14 +104,7 @@ def test_join_without_a_bootstrap_ends_with_a_clear_message(tmp_path: Path) -> N
     peer_id = "12D3KooWMGTq8jsqsJk2uuVpvnWNWFm2R6dV5vpintmM9zGzJHkp"
     for address in (f"/ip4/127.0.0.1/tcp/{dead_port}/p2p/{peer_id}", f"127.0.0.1:{dead_port}"):
         started = time.monotonic()
-        done = subprocess.run(
-            CLI + ["join", "--bootstrap", address, *TINY],
-            cwd=tmp_path,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
+        done = run_cli(["join", "--bootstrap", address, *TINY], tmp_path, timeout=90)
         assert done.returncode != 0
         assert time.monotonic() - started < 60
         lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
@@ -148,14 +122,7 @@ def test_join_without_a_bootstrap_ends_with_a_clear_message(tmp_path: Path) -> N
     ],
 )
 def test_join_rejects_bad_options(tmp_path: Path, extra: list[str], message: str) -> None:
-    done = subprocess.run(
-        CLI + ["join", "--bootstrap", "127.0.0.1:9", *TINY, *extra],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_cli(["join", "--bootstrap", "127.0.0.1:9", *TINY, *extra], tmp_path, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
 
@@ -205,14 +172,7 @@ def test_global_parameters_file_loads_into_the_model(tmp_path: Path) -> None:
     """--save writes θ̄ that torch can load back into the preset model."""
     from p2p_cocodc.model import build_model
 
-    done = subprocess.run(
-        CLI + ["simulate", *TINY, "--steps", "8", "--save", "theta.safetensors"],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_cli(["simulate", *TINY, "--steps", "8", "--save", "theta.safetensors"], tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     model = build_model("nano", 256, 32)
     state = load_file(str(tmp_path / "theta.safetensors"))

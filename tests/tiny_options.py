@@ -1,0 +1,17 @@
+"""Command-line options of the smallest real runs the tests make: seconds each, still learning."""
+
+# a 0.1 M-parameter GPT on bytes of the embedded corpus
+TINY_MODEL = ["--model", "nano", "--tokenizer", "byte", "--seq-len", "32", "--batch-size", "4"]
+# two fragments, each synced every 8 steps and applied 2 steps later; θ̄ evaluated every 8 steps
+TINY_SYNCS = [
+    "--inner-steps",
+    "8",
+    "--fragments",
+    "2",
+    "--overlap",
+    "2",
+    "--eval-every",
+    "8",
+    "--eval-batches",
+    "2",
+]
