@@ -36,13 +36,15 @@ def dhts():
         stop_dht(dht, path)
 
 
-async def make_pair(dhts, codecs=("fp32", "fp32"), timeout=5.0) -> list[FragmentExchange]:
+async def make_pair(
+    dhts, codecs=("fp32", "fp32"), timeout=5.0, kinds=(FragmentExchange, FragmentExchange)
+) -> list[FragmentExchange]:
     p2ps = [await d.replicate_p2p() for d in dhts]
     ids = [p.peer_id.to_base58() for p in p2ps]
     view = {peer: record(i) for i, peer in enumerate(ids)}
     exchanges = [
-        FragmentExchange(p2p, "t", get_codec(codec), i, "fp", lambda: view, timeout)
-        for i, (p2p, codec) in enumerate(zip(p2ps, codecs, strict=True))
+        kind(p2p, "t", get_codec(codec), i, "fp", lambda: view, timeout)
+        for i, (p2p, codec, kind) in enumerate(zip(p2ps, codecs, kinds, strict=True))
     ]
     for ex in exchanges:
         await ex.start()
@@ -214,3 +216,48 @@ def test_a_peer_left_out_of_a_round_takes_the_members_average(dhts) -> None:
     leaders, lates, done = asyncio.run(main())
     assert torch.equal(leaders, torch.full((300,), 2.0))
     assert torch.equal(lates, leaders) and done == 1
+
+
+class LosesItsAveragedSlice(FragmentExchange):
+    """A member whose averaged slice never reaches the others, as when it dies halfway through
+    sending it: the network fault is injected here, everything else is the real exchange."""
+
+    async def _send_all(self, round_id, kind, slices, deadline) -> None:
+        if kind != "result":
+            await super()._send_all(round_id, kind, slices, deadline)
+
+
+def test_a_member_missing_an_averaged_slice_takes_the_average_another_member_completed(dhts) -> None:
+    async def main():
+        kinds = (FragmentExchange, LosesItsAveragedSlice)
+        exchanges = await make_pair(dhts, timeout=1.0, kinds=kinds)
+        vectors = [torch.full((700,), 1.0), torch.full((700,), 4.0)]
+        try:
+            results = await asyncio.gather(
+                *(ex.allreduce("lost", v, 1) for ex, v in zip(exchanges, vectors, strict=True))
+            )
+            return results, [(ex.stats.rounds_done, ex.stats.rounds_failed) for ex in exchanges]
+        finally:
+            await stop_all(exchanges)
+
+    (missing, complete), counts = asyncio.run(main())
+    # without recovery the first peer would fail the round while the second applied it: a split θ̄
+    assert torch.equal(complete, torch.full((700,), 2.5))
+    assert torch.equal(missing, complete)
+    assert counts == [(1, 0), (1, 0)]
+
+
+def test_a_round_no_member_completed_fails_on_every_member(dhts) -> None:
+    async def main():
+        kinds = (LosesItsAveragedSlice, LosesItsAveragedSlice)
+        exchanges = await make_pair(dhts, timeout=1.0, kinds=kinds)
+        try:
+            return await asyncio.gather(
+                *(ex.allreduce("none", torch.ones(300), 1) for ex in exchanges), return_exceptions=True
+            )
+        finally:
+            await stop_all(exchanges)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, RoundFailed) for r in results), results
+    assert all("no member completed the round" in str(r) for r in results)

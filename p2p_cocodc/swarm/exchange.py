@@ -14,6 +14,12 @@ streams of hivemind's libp2p daemon (``dht.replicate_p2p()``), never sockets of 
    encodes the mean and sends it to every member. Everyone decodes the same bytes, so every peer
    ends the round with a bit-identical average, and each link carries 2(M−1)/M of the vector.
 
+3. **Recovery.** A peer whose all-reduce fails (a member died or went silent, a payload was bad)
+   asks the other members for the round's average before it gives up: if any member completed the
+   round (an owner died after sending its averaged slice to only some members), every live member
+   ends with that same average. A peer left out by the leader catches up the same way. Only when no
+   member completed does the round fail, and then it fails for every member alike.
+
 Every wait has a deadline; a round that cannot complete raises ``RoundFailed`` on its own, and the
 peer decides what to do. Received payloads are decoded in one place, ``_decode``.
 """
@@ -71,6 +77,11 @@ class RoundState:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    recovering: bool = False  # our all-reduce failed: we have no average to serve, we are asking
+
+    def settled(self) -> bool:
+        """Whether this peer can say what it got from the round: an average, or nothing."""
+        return self.outcome.done() or self.recovering
 
     def notify(self) -> None:
         self.changed.set()
@@ -151,15 +162,22 @@ class FragmentExchange:
 
     async def allreduce(self, round_id: str, vector: torch.Tensor, step: int) -> torch.Tensor:
         """The mean of ``vector`` over this round's members. A peer the leader left out (it came
-        after the deadline) gets the members' mean instead, so its θ̄ stays the same as theirs."""
+        after the deadline), or whose own all-reduce failed, gets the mean a member completed
+        instead, so its θ̄ stays the same as theirs."""
         state = self._round(round_id)
         averaged = None
         try:
             members = await self._form_group(round_id, state, step)
-            if self.peer_id in [p for p, _ in members]:
-                averaged = await self._butterfly(round_id, state, members, vector)
+            if self.peer_id not in [p for p, _ in members]:
+                why = "left out of the round (too late for its leader)"
+                averaged = await self._fetch_average(round_id, members, vector.numel(), why)
             else:
-                averaged = await self._fetch_average(round_id, members, vector.numel())
+                try:
+                    averaged = await self._butterfly(round_id, state, members, vector)
+                except RoundFailed as exc:
+                    state.recovering = True
+                    state.notify()
+                    averaged = await self._fetch_average(round_id, members, vector.numel(), str(exc))
             self.served[round_id] = (members, averaged)
             if len(self.served) > MAX_SERVED:
                 del self.served[next(iter(self.served))]
@@ -169,6 +187,7 @@ class FragmentExchange:
         finally:
             if not state.outcome.done():
                 state.outcome.set_result(averaged)
+                state.notify()
             self.rounds.pop(round_id, None)
             self.finished[round_id] = None
             if len(self.finished) > MAX_FINISHED:
@@ -176,10 +195,12 @@ class FragmentExchange:
         self.stats.rounds_done += 1
         return averaged
 
-    async def _fetch_average(self, round_id: str, members: list[tuple[str, int]], numel: int) -> torch.Tensor:
-        """The mean a round's members computed without this peer, from whichever member answers first
-        (asked all at once: some may have finished and left)."""
-        log.warning("left out of round %s (too late for its leader); taking the members' average", round_id)
+    async def _fetch_average(
+        self, round_id: str, members: list[tuple[str, int]], numel: int, why: str
+    ) -> torch.Tensor:
+        """The mean a member completed, from whichever member answers first (asked all at once: some
+        may have finished and left, some may have failed too)."""
+        log.warning("round %s: %s; asking its members for their average", round_id, why)
 
         async def ask(peer: str) -> torch.Tensor:
             reply = await self._call(peer, Request("fetch", round_id), self.round_timeout_s * 2)
@@ -190,7 +211,7 @@ class FragmentExchange:
             except UserError as exc:
                 raise ConnectionError(f"{peer[:12]} served a bad average: {exc}") from None
 
-        asks = [asyncio.ensure_future(ask(peer)) for peer, _ in members]
+        asks = [asyncio.ensure_future(ask(peer)) for peer, _ in members if peer != self.peer_id]
         try:
             for next_answer in asyncio.as_completed(asks):
                 try:
@@ -200,7 +221,7 @@ class FragmentExchange:
         finally:
             for task in asks:
                 task.cancel()
-        raise RoundFailed("left out of the round, and no member served its average")
+        raise RoundFailed(f"{why}, and no member completed the round")
 
     def _has_finished(self, peer: str) -> bool:
         """A peer says "done" only once all its rounds are complete (see the peer's shutdown)."""
@@ -423,14 +444,15 @@ class FragmentExchange:
             writer.close()
 
     async def _serve_average(self, round_id: str) -> dict[str, Any]:
-        """A round's average for a peer that was left out of it, once this peer has it."""
+        """A round's average for a peer that was left out of it or failed in it, once this peer has
+        it; a peer that is itself recovering says so at once, so two of them never wait on each other."""
         if round_id not in self.served:
             state = self.rounds.get(round_id)
             if state is None:
                 return {"ok": False, "error": f"no average of round {round_id} here"}
             try:
-                await asyncio.wait_for(asyncio.shield(state.outcome), self.round_timeout_s)
-            except TimeoutError:
+                await state.wait_until(state.settled, time.monotonic() + self.round_timeout_s, "the round")
+            except RoundFailed:
                 return {"ok": False, "error": f"round {round_id} is still running here"}
             if round_id not in self.served:
                 return {"ok": False, "error": f"round {round_id} failed here"}
