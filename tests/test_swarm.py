@@ -127,6 +127,32 @@ def test_join_rejects_bad_options(tmp_path: Path, extra: list[str], message: str
     assert message in done.stderr and "Traceback" not in done.stderr
 
 
+def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(tmp_path: Path) -> None:
+    """A region drops out (SIGKILL, as a crash or the OOM killer would): rounds it was in fail alike on
+    the others, later rounds form without it once its record lapses, and nobody hangs."""
+    boot = start_bootstrap(tmp_path)
+    peers = []
+    try:
+        for i in range(3):
+            args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "96"]
+            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "drop"]
+            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
+        victim = tmp_path / "peer2.jsonl"
+        wait_for(lambda: victim.exists() and len(records(victim)) >= 3, 120, "training to be under way")
+        peers[2].send_signal(signal.SIGKILL)
+        for i in (0, 1):
+            assert peers[i].wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
+    finally:
+        for proc in [*peers, boot.proc]:
+            end_group(proc)
+
+    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in (0, 1)]
+    assert all(s["kind"] == "summary" and s["steps"] == 96 for s in summaries)
+    assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"]
+    assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 2
+    assert all(s["rounds_done"] >= 16 and s["final_val_ppl"] < s["initial_val_ppl"] * 0.8 for s in summaries)
+
+
 def test_killed_peer_leaves_no_process_behind(tmp_path: Path) -> None:
     boot = start_bootstrap(tmp_path)
     peer = spawn(["join", "--bootstrap", boot.maddr, *TINY, "--workers", "2"], tmp_path, "peer.log")

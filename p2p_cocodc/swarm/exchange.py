@@ -86,11 +86,20 @@ class RoundState:
     def notify(self) -> None:
         self.changed.set()
 
-    async def wait_until(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
+    async def wait_until(
+        self,
+        ready: Callable[[], bool],
+        deadline: float,
+        what: str,
+        hopeless: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        """Wait for ``ready``; fail at the deadline, or as soon as ``hopeless`` names a reason."""
         while not ready():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RoundFailed(f"timed out waiting for {what}")
+            if reason := hopeless():
+                raise RoundFailed(f"{reason} while waiting for {what}")
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), min(remaining, 0.5))
@@ -228,6 +237,13 @@ class FragmentExchange:
         record = self.board_view().get(peer)
         return record is not None and record.state == "done"
 
+    def _left_swarm(self, peers: list[str]) -> str | None:
+        """Why waiting on ``peers`` is hopeless: one has dropped off the notice board (its record
+        expired: it died or lost the network), so the round's deadline need not run out."""
+        view = self.board_view()
+        gone = [p for p in peers if p != self.peer_id and p not in view]
+        return f"member {gone[0][:12]} left the swarm" if gone else None
+
     def _live_training(self) -> dict[str, PeerRecord]:
         view = self.board_view()
         return {p: r for p, r in view.items() if r.state == "training" and r.fingerprint == self.fingerprint}
@@ -325,7 +341,12 @@ class FragmentExchange:
         await self._send_all(
             round_id, "part", {peers[j]: (j, sizes[j], encoded[j]) for j in others}, deadline
         )
-        await state.wait_until(lambda: set(peers) <= set(state.parts), deadline, "slices from every member")
+        await state.wait_until(
+            lambda: set(peers) <= set(state.parts),
+            deadline,
+            "slices from every member",
+            lambda: self._left_swarm([p for p in peers if p not in state.parts]),
+        )
 
         def average_own_slice() -> bytes:
             received = [self._decode(state.parts, p, me, sizes[me]) for p in peers]
@@ -336,7 +357,12 @@ class FragmentExchange:
         await self._send_all(
             round_id, "result", {peers[j]: (me, sizes[me], mean_bytes) for j in others}, deadline
         )
-        await state.wait_until(lambda: set(peers) <= set(state.results), deadline, "averaged slices")
+        await state.wait_until(
+            lambda: set(peers) <= set(state.results),
+            deadline,
+            "averaged slices",
+            lambda: self._left_swarm([p for p in peers if p not in state.results]),
+        )
         return await asyncio.to_thread(
             lambda: torch.cat([self._decode(state.results, p, j, sizes[j]) for j, p in enumerate(peers)])
         )
@@ -372,6 +398,8 @@ class FragmentExchange:
                 except ConnectionError as exc:
                     if self._has_finished(peer):
                         return  # it said "done" after its last round: it had everything it needed
+                    if reason := self._left_swarm([peer]):
+                        raise RoundFailed(f"{reason}: {exc}") from None
                     if time.monotonic() + RETRY_PAUSE_S >= deadline:
                         raise RoundFailed(f"a member is unreachable: {exc}") from None
                     log.info("retrying %s: %s", kind, exc)
