@@ -102,6 +102,7 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
 def test_join_without_a_bootstrap_ends_with_a_clear_message(tmp_path: Path) -> None:
     dead_port = free_port()
     peer_id = "12D3KooWMGTq8jsqsJk2uuVpvnWNWFm2R6dV5vpintmM9zGzJHkp"
+    sockets_before = set(Path("/tmp").glob("hivemind-p2pd-*.sock"))
     for address in (f"/ip4/127.0.0.1/tcp/{dead_port}/p2p/{peer_id}", f"127.0.0.1:{dead_port}"):
         started = time.monotonic()
         done = run_cli(["join", "--bootstrap", address, *TINY], tmp_path, timeout=90)
@@ -110,6 +111,8 @@ def test_join_without_a_bootstrap_ends_with_a_clear_message(tmp_path: Path) -> N
         lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "bootstrap" in lines[0], done.stderr
         assert "Traceback" not in done.stderr
+    # the p2pd that gave up on the bootstrap left no socket file in /tmp
+    assert set(Path("/tmp").glob("hivemind-p2pd-*.sock")) <= sockets_before
 
 
 @pytest.mark.parametrize(
@@ -139,9 +142,14 @@ def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(tm
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
         victim = tmp_path / "peer2.jsonl"
         wait_for(lambda: victim.exists() and len(records(victim)) >= 3, 120, "training to be under way")
+        helpers = descendants(peers[2].pid)
+        sockets = socket_files(helpers)
         peers[2].send_signal(signal.SIGKILL)
         for i in (0, 1):
             assert peers[i].wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
+        wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in helpers), 10, "helpers to die")
+        for path in sockets:  # a killed p2pd cannot remove its own socket file
+            path.unlink(missing_ok=True)
     finally:
         for proc in [*peers, boot.proc]:
             end_group(proc)

@@ -12,9 +12,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import urllib.error
 import urllib.request
 from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 from p2p_cocodc.errors import UserError
@@ -22,6 +24,8 @@ from p2p_cocodc.errors import UserError
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+P2PD_SOCKET_DIR = Path("/tmp")  # where hivemind's P2P puts its daemon's control socket
+P2PD_SOCKET_GLOB = "hivemind-p2pd-*.sock"
 _pdeathsig_installed = False
 
 
@@ -120,9 +124,11 @@ def start_dht(
         kwargs["announce_maddrs"] = listen_maddrs(announce, port)
     if identity_path is not None:
         kwargs["identity_path"] = identity_path
+    before = set(P2PD_SOCKET_DIR.glob(P2PD_SOCKET_GLOB))
     try:
         return hivemind.DHT(initial_peers=initial_peers or None, start=True, **kwargs)
     except P2PDaemonError as exc:
+        remove_dead_sockets(set(P2PD_SOCKET_DIR.glob(P2PD_SOCKET_GLOB)) - before)
         detail = str(exc).split(": ", 1)[-1].strip()
         if initial_peers:
             raise UserError(
@@ -130,6 +136,25 @@ def start_dht(
                 "running and reachable from here?"
             ) from None
         raise UserError(f"cannot start the DHT on {host}:{port} ({detail}): is the port free?") from None
+
+
+def remove_dead_sockets(paths: set[Path]) -> None:
+    """Remove the socket files among ``paths`` that nobody listens on any more.
+
+    A p2pd that exits by itself (it could not reach the bootstrap) leaves its socket file in /tmp,
+    because hivemind only removes it when it stops p2pd. A file someone still listens on is kept:
+    it may be another process's daemon that started at the same moment."""
+    for path in paths:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            with suppress(OSError):
+                path.unlink()
+        except OSError:
+            pass
+        finally:
+            probe.close()
 
 
 def p2pd_socket(dht: Any) -> str | None:
