@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.names import CODEC_NAMES
 
 __all__ = ["CODECS", "Codec", "decode_mean", "get_codec", "mean_in_order"]
 
@@ -220,6 +221,8 @@ class Fp4Codec(Codec):
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (Fp32Codec(), Bf16Codec(), Int8Codec(), Fp4Codec())}
+if tuple(CODECS) != CODEC_NAMES:  # the CLI offers CODEC_NAMES without importing this module
+    raise ImportError(f"codecs {tuple(CODECS)} differ from names.CODEC_NAMES {CODEC_NAMES}")
 
 
 def get_codec(name: str) -> Codec:

@@ -10,14 +10,14 @@ import math
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from p2p_cocodc.algorithms.inner import InnerSettings
-from p2p_cocodc.algorithms.outer import OuterSettings
-from p2p_cocodc.algorithms.strategies import ALGORITHMS, DC_RULES, AlgoSettings
-from p2p_cocodc.codecs import CODECS
-from p2p_cocodc.data import TOKENIZERS
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.names import ALGORITHMS, CODEC_NAMES, DC_RULES, TOKENIZERS
+
+if TYPE_CHECKING:  # the settings classes live with torch code: imported when first built, not for --help
+    from p2p_cocodc.algorithms.inner import InnerSettings
+    from p2p_cocodc.algorithms.strategies import AlgoSettings
 
 AUTO = "auto"
 
@@ -63,7 +63,7 @@ class TrainConfig:
     outer_momentum: float = _opt(0.9, "outer Nesterov momentum μ")
     gap_penalty: float = _opt(1.0, "CO2 staleness gap penalty Λ: outer gradient divided by Λ")
     momentum_clip: float | None = _opt(None, "CO2 outer-momentum clipping φ (default off)")
-    codec: str = _opt("fp32", "wire format of exchanged outer gradients", tuple(CODECS))
+    codec: str = _opt("fp32", "wire format of exchanged outer gradients", CODEC_NAMES)
     # inner optimizer
     lr: float = _opt(1e-3, "inner AdamW peak learning rate")
     warmup: int = _opt(50, "inner LR warmup steps")
@@ -130,6 +130,9 @@ class TrainConfig:
 
     def algo_settings(self, overlap: int | None = None, transmissions: int | None = None) -> AlgoSettings:
         """The core's settings; ``overlap``/``transmissions`` resolve 'auto' once the link is known."""
+        from p2p_cocodc.algorithms.outer import OuterSettings
+        from p2p_cocodc.algorithms.strategies import AlgoSettings
+
         tau = self.overlap if overlap is None else overlap
         n = self.transmissions if transmissions is None else transmissions
         return AlgoSettings(
@@ -154,6 +157,8 @@ class TrainConfig:
         )
 
     def inner_settings(self) -> InnerSettings:
+        from p2p_cocodc.algorithms.inner import InnerSettings
+
         return InnerSettings(
             lr=self.lr,
             warmup=self.warmup,

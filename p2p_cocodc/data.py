@@ -22,13 +22,13 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.names import TOKENIZERS
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 EMBEDDED_NAME = "sotu"
 EMBEDDED_CORPUS = CORPUS_DIR / "sotu.tsv.xz"
 SHIPPED_BPE = CORPUS_DIR / "bpe4096.json"
 
-TOKENIZERS = ("bpe4096", "byte")
 BPE_VOCAB = 4096
 
 # Documents are joined with a blank line in the token stream; no special token is needed, so

@@ -394,3 +394,18 @@ def test_plot_is_written_where_asked(runs: dict[str, Any], tmp_path: Path) -> No
     plot = tmp_path / "ppl"
     assert f"plot written to {plot}" in compare_runs([str(runs["ddp"][1])], None, str(plot))
     assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_help_lists_every_choice_without_importing_torch(env: dict[str, str]) -> None:
+    """`--help` must answer at once: the CLI module and its option choices do not pull in torch."""
+    from p2p_cocodc.codecs import CODECS
+    from p2p_cocodc.names import CODEC_NAMES
+
+    assert tuple(CODECS) == CODEC_NAMES
+    probe = "import sys, p2p_cocodc.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+    help_text = subprocess.run(
+        [sys.executable, "-m", "p2p_cocodc", "simulate", "--help"], capture_output=True, text=True, env=env
+    ).stdout
+    assert "[fp32|bf16|int8|fp4]" in help_text and "[ddp|diloco|streaming|cocodc]" in help_text

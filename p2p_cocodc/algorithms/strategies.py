@@ -24,9 +24,7 @@ from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
 from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, Schedule
 from p2p_cocodc.errors import UserError
-
-ALGORITHMS = ("ddp", "diloco", "streaming", "cocodc")
-DC_RULES = ("tensor", "step")
+from p2p_cocodc.names import ALGORITHMS, DC_RULES
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,8 @@
+"""The names a user may choose from, kept free of torch so that the CLI can list them (``--help``,
+option validation) without paying for importing torch. The modules that implement them import
+these tuples, so each name is written once."""
+
+ALGORITHMS = ("ddp", "diloco", "streaming", "cocodc")
+DC_RULES = ("tensor", "step")
+CODEC_NAMES = ("fp32", "bf16", "int8", "fp4")
+TOKENIZERS = ("bpe4096", "byte")
