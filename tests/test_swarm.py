@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -130,9 +131,20 @@ def test_join_rejects_bad_options(tmp_path: Path, extra: list[str], message: str
     assert message in done.stderr and "Traceback" not in done.stderr
 
 
-def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(tmp_path: Path) -> None:
-    """A region drops out (SIGKILL, as a crash or the OOM killer would): rounds it was in fail alike on
-    the others, later rounds form without it once its record lapses, and nobody hangs."""
+def round_leader_shard(boot_status: str, run_id: str) -> int:
+    """The shard of the peer that leads rounds (the smallest live peer id), from the bootstrap's /status."""
+    with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
+        peers = json.load(reply)["runs"][run_id]["peers"]
+    return peers[min(peers)]["shard"]
+
+
+@pytest.mark.parametrize("victim", ["leader", "member"])
+def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(
+    tmp_path: Path, victim: str
+) -> None:
+    """A region drops out (SIGKILL, as a crash or the OOM killer would), the one leading rounds or
+    another: rounds it was in fail alike on the others, later rounds form without it (under the next
+    leader) once its record lapses, and nobody hangs."""
     boot = start_bootstrap(tmp_path)
     peers = []
     try:
@@ -140,12 +152,19 @@ def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(tm
             args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "96"]
             args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "drop"]
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
-        victim = tmp_path / "peer2.jsonl"
-        wait_for(lambda: victim.exists() and len(records(victim)) >= 3, 120, "training to be under way")
-        helpers = descendants(peers[2].pid)
+        outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
+
+        def under_way() -> bool:
+            return all(o.exists() and len(records(o)) >= 3 for o in outs)
+
+        wait_for(under_way, 120, "training to be under way")
+        leader = round_leader_shard(boot.host_port, "drop")
+        dead = leader if victim == "leader" else (leader + 1) % 3
+        survivors = [i for i in range(3) if i != dead]
+        helpers = descendants(peers[dead].pid)
         sockets = socket_files(helpers)
-        peers[2].send_signal(signal.SIGKILL)
-        for i in (0, 1):
+        peers[dead].send_signal(signal.SIGKILL)
+        for i in survivors:
             assert peers[i].wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
         wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in helpers), 10, "helpers to die")
         for path in sockets:  # a killed p2pd cannot remove its own socket file
@@ -154,7 +173,7 @@ def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(tm
         for proc in [*peers, boot.proc]:
             end_group(proc)
 
-    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in (0, 1)]
+    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in survivors]
     assert all(s["kind"] == "summary" and s["steps"] == 96 for s in summaries)
     assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"]
     assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 2
