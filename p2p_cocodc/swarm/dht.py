@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import time
 import urllib.error
 import urllib.request
 from contextlib import suppress
@@ -138,23 +139,37 @@ def start_dht(
         raise UserError(f"cannot start the DHT on {host}:{port} ({detail}): is the port free?") from None
 
 
-def remove_dead_sockets(paths: set[Path]) -> None:
-    """Remove the socket files among ``paths`` that nobody listens on any more.
+def remove_dead_sockets(paths: set[Path], settle_s: float = 5.0) -> None:
+    """Remove the socket files among ``paths`` once nobody listens on them.
 
     A p2pd that exits by itself (it could not reach the bootstrap) leaves its socket file in /tmp,
-    because hivemind only removes it when it stops p2pd. A file someone still listens on is kept:
-    it may be another process's daemon that started at the same moment."""
-    for path in paths:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except ConnectionRefusedError:
-            with suppress(OSError):
-                path.unlink()
-        except OSError:
-            pass
-        finally:
-            probe.close()
+    because hivemind only removes it when it stops p2pd; hivemind reports the failure while that
+    p2pd may still be exiting, so a file that still answers is probed again for up to ``settle_s``.
+    A file someone listens on after that is kept: it may be another process's daemon."""
+    deadline = time.monotonic() + settle_s
+    pending = set(paths)
+    while pending:
+        for path in list(pending):
+            if not _listened_on(path):
+                with suppress(OSError):
+                    path.unlink()
+                pending.discard(path)
+        if pending and time.monotonic() >= deadline:
+            log.debug("keeping socket files still in use: %s", sorted(map(str, pending)))
+            return
+        if pending:
+            time.sleep(0.1)
+
+
+def _listened_on(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:  # refused: a dead socket file; not found: already gone
+        return False
+    finally:
+        probe.close()
 
 
 def p2pd_socket(dht: Any) -> str | None:
