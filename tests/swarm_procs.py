@@ -68,6 +68,19 @@ def socket_files(pids: list[int]) -> list[Path]:
     return paths
 
 
+def sigkill_like_a_crash(pid: int) -> list[int]:
+    """SIGKILL ``pid`` alone, as a crash or the OOM killer would; its helpers (DHT process, p2pd) must
+    die by their death signal. Returns them once they have, after removing the socket files their
+    killed p2pd could not remove itself."""
+    helpers = descendants(pid)
+    sockets = socket_files(helpers)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in helpers), 10, "helpers to die")
+    for path in sockets:
+        path.unlink(missing_ok=True)
+    return helpers
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group, read from /proc."""
     members = []

@@ -7,7 +7,6 @@ distributed pipeline computes the algorithm itself, not something near it.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -25,7 +24,7 @@ from tests.swarm_procs import (
     end_group,
     free_port,
     run_cli,
-    socket_files,
+    sigkill_like_a_crash,
     spawn,
     start_bootstrap,
     wait_for,
@@ -161,14 +160,9 @@ def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(
         leader = round_leader_shard(boot.host_port, "drop")
         dead = leader if victim == "leader" else (leader + 1) % 3
         survivors = [i for i in range(3) if i != dead]
-        helpers = descendants(peers[dead].pid)
-        sockets = socket_files(helpers)
-        peers[dead].send_signal(signal.SIGKILL)
+        sigkill_like_a_crash(peers[dead].pid)
         for i in survivors:
             assert peers[i].wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
-        wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in helpers), 10, "helpers to die")
-        for path in sockets:  # a killed p2pd cannot remove its own socket file
-            path.unlink(missing_ok=True)
     finally:
         for proc in [*peers, boot.proc]:
             end_group(proc)
@@ -185,13 +179,10 @@ def test_killed_peer_leaves_no_process_behind(tmp_path: Path) -> None:
     peer = spawn(["join", "--bootstrap", boot.maddr, *TINY, "--workers", "2"], tmp_path, "peer.log")
     try:
         # a peer waiting for its partner has its DHT process and p2pd running
-        helpers = wait_for(lambda: len(descendants(peer.pid)) >= 2 and descendants(peer.pid), 60, "helpers")
-        sockets = socket_files(helpers)
-        peer.send_signal(signal.SIGKILL)  # the main process only, as the OOM killer would
+        wait_for(lambda: len(descendants(peer.pid)) >= 2, 60, "helpers")
+        helpers = sigkill_like_a_crash(peer.pid)  # fails unless the helpers die with the peer
+        assert len(helpers) >= 2
         peer.wait(timeout=10)
-        wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in helpers), 10, "helpers to die")
-        for path in sockets:  # a killed p2pd cannot remove its own socket file
-            path.unlink(missing_ok=True)
     finally:
         end_group(peer)
         end_group(boot.proc)
@@ -259,10 +250,7 @@ def test_a_peer_whose_dht_dies_ends_with_a_clear_message(tmp_path: Path) -> None
         # hivemind forks its DHT process from the peer: same command line, a child of the peer
         dht = [p for p in descendants(peer.pid) if Path(f"/proc/{p}/cmdline").read_bytes() == own]
         assert len(dht) == 1
-        sockets = socket_files(descendants(dht[0]))
-        os.kill(dht[0], signal.SIGKILL)
+        sigkill_like_a_crash(dht[0])
         assert peer.wait(timeout=60) == 2
-        for path in sockets:  # its p2pd dies by the death signal and cannot remove its socket file
-            path.unlink(missing_ok=True)
         log = (tmp_path / "peer.log").read_text()
         assert "lost the swarm's DHT" in log and "Traceback" not in log, log[-2000:]

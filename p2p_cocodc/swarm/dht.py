@@ -148,17 +148,17 @@ def remove_dead_sockets(paths: set[Path], settle_s: float = 5.0) -> None:
     A file someone listens on after that is kept: it may be another process's daemon."""
     deadline = time.monotonic() + settle_s
     pending = set(paths)
-    while pending:
-        for path in list(pending):
-            if not _listened_on(path):
-                with suppress(OSError):
-                    path.unlink()
-                pending.discard(path)
-        if pending and time.monotonic() >= deadline:
+    while True:
+        for path in [p for p in pending if not _listened_on(p)]:
+            with suppress(OSError):
+                path.unlink()
+            pending.discard(path)
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
             log.debug("keeping socket files still in use: %s", sorted(map(str, pending)))
             return
-        if pending:
-            time.sleep(0.1)
+        time.sleep(0.1)
 
 
 def _listened_on(path: Path) -> bool:

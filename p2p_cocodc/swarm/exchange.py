@@ -54,9 +54,9 @@ MAX_OPEN_ROUNDS = 256  # rounds other peers may open here before this peer reach
 MESSAGE_TIMEOUT_S = 30.0  # one message (not a whole round) must arrive within this
 RETRY_PAUSE_S = 0.2
 MAX_FINISHED = 4096  # finished round ids remembered, to answer late deliveries
-MAX_SERVED = 64  # recent averages kept for peers left out of their round
+MAX_SERVED = 64  # recent averages kept for peers left out of their round or failed in it
 STOP_GRACE_S = 5.0  # how long stop() lets answers in progress finish
-EXACT = get_codec("fp32")  # averages served to a left-out peer: bit-exact
+EXACT = get_codec("fp32")  # averages served to another member (fetch): bit-exact
 
 
 class RoundFailed(Exception):
@@ -341,12 +341,7 @@ class FragmentExchange:
         await self._send_all(
             round_id, "part", {peers[j]: (j, sizes[j], encoded[j]) for j in others}, deadline
         )
-        await state.wait_until(
-            lambda: set(peers) <= set(state.parts),
-            deadline,
-            "slices from every member",
-            lambda: self._left_swarm([p for p in peers if p not in state.parts]),
-        )
+        await self._wait_for_all(state, state.parts, peers, deadline, "slices from every member")
 
         def average_own_slice() -> bytes:
             received = [self._decode(state.parts, p, me, sizes[me]) for p in peers]
@@ -357,15 +352,20 @@ class FragmentExchange:
         await self._send_all(
             round_id, "result", {peers[j]: (me, sizes[me], mean_bytes) for j in others}, deadline
         )
-        await state.wait_until(
-            lambda: set(peers) <= set(state.results),
-            deadline,
-            "averaged slices",
-            lambda: self._left_swarm([p for p in peers if p not in state.results]),
-        )
+        await self._wait_for_all(state, state.results, peers, deadline, "averaged slices")
         return await asyncio.to_thread(
             lambda: torch.cat([self._decode(state.results, p, j, sizes[j]) for j, p in enumerate(peers)])
         )
+
+    async def _wait_for_all(
+        self, state: RoundState, box: dict[str, Any], peers: list[str], deadline: float, what: str
+    ) -> None:
+        """Wait until every member's delivery is in ``box``; fail early once a missing member left."""
+
+        def missing() -> list[str]:
+            return [p for p in peers if p not in box]
+
+        await state.wait_until(lambda: not missing(), deadline, what, lambda: self._left_swarm(missing()))
 
     def _decode(
         self, box: dict[str, tuple[int, int, bytes]], sender: str, index: int, numel: int

@@ -92,7 +92,7 @@ def parse_request(body: dict[str, Any]) -> Request:
         if not _is_index(shard) or not isinstance(fingerprint, str) or len(fingerprint) > 64:
             raise BadMessage("join needs an int 'shard' ≥ 0 and a string 'fingerprint'")
         return Request(kind, round_id, shard=shard, fingerprint=fingerprint)
-    if kind == "fetch":  # a left-out peer asks for the round's average
+    if kind == "fetch":  # a left-out or failed member asks for the round's average
         return Request(kind, round_id)
     index, numel, data = body.get("slice"), body.get("numel"), body.get("data")
     if not _is_index(index) or not _is_index(numel) or not isinstance(data, bytes):
