@@ -96,7 +96,8 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     help="seconds a sync may take beyond what measured step times predict [default: 60]",
 )
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def join(config_path: str | None, quiet: bool, **options: Any) -> None:
+@click.option("--verbose", "-v", is_flag=True, help="log every round's group, leader and recovery")
+def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) -> None:
     """Join a swarm as one peer (one region) and train with the others.
 
     Every training option of `simulate` applies; a --config profile may also hold these join
@@ -107,7 +108,7 @@ def join(config_path: str | None, quiet: bool, **options: Any) -> None:
     from p2p_cocodc.logs import configure_logging
     from p2p_cocodc.peer import SWARM_KEYS, Peer, swarm_options
 
-    configure_logging(logging.WARNING)
+    configure_logging(logging.INFO if verbose else logging.WARNING)
     swarm_cli = {k: options.pop(k) for k in SWARM_KEYS}
     cfg = _config_from(config_path, options)
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -21,8 +22,8 @@ from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.wire import BadMessage, parse_members, parse_request, read_frame
 
 
-def record(shard: int) -> PeerRecord:
-    return PeerRecord("training", 0, shard, 2, 0.01, 0.0, "fp")
+def record(shard: int, step: int = 0) -> PeerRecord:
+    return PeerRecord("training", step, shard, 2, 0.01, 0.0, "fp")
 
 
 @pytest.fixture
@@ -37,14 +38,19 @@ def dhts():
 
 
 async def make_pair(
-    dhts, codecs=("fp32", "fp32"), timeout=5.0, kinds=(FragmentExchange, FragmentExchange)
+    dhts,
+    codecs=("fp32", "fp32"),
+    timeout=5.0,
+    kinds=(FragmentExchange, FragmentExchange),
+    views: Callable[[list[str]], list[dict[str, PeerRecord]]] | None = None,
 ) -> list[FragmentExchange]:
+    """Two exchanges; by default both see both peers training on the board, ``views`` overrides."""
     p2ps = [await d.replicate_p2p() for d in dhts]
     ids = [p.peer_id.to_base58() for p in p2ps]
-    view = {peer: record(i) for i, peer in enumerate(ids)}
+    boards = views(ids) if views else [{peer: record(i) for i, peer in enumerate(ids)}] * 2
     exchanges = [
-        kind(p2p, "t", get_codec(codec), i, "fp", lambda: view, timeout)
-        for i, (p2p, codec, kind) in enumerate(zip(p2ps, codecs, kinds, strict=True))
+        kind(p2p, "t", get_codec(codec), i, "fp", lambda board=board: board, timeout)
+        for i, (p2p, codec, kind, board) in enumerate(zip(p2ps, codecs, kinds, boards, strict=True))
     ]
     for ex in exchanges:
         await ex.start()
@@ -148,9 +154,12 @@ def test_garbage_on_the_stream_gets_an_error_reply_and_changes_nothing(dhts) -> 
     "body",
     [
         {"kind": "spam", "round": "r"},
-        {"kind": "part", "round": "r", "slice": 0, "numel": 3, "data": "text"},
-        {"kind": "part", "round": "r", "slice": True, "numel": 3, "data": b""},
-        {"kind": "part", "round": "r", "slice": 0, "numel": -1, "data": b""},
+        {"kind": "part", "round": "r", "group": "g", "slice": 0, "numel": 3, "data": "text"},
+        {"kind": "part", "round": "r", "group": "g", "slice": True, "numel": 3, "data": b""},
+        {"kind": "part", "round": "r", "group": "g", "slice": 0, "numel": -1, "data": b""},
+        {"kind": "part", "round": "r", "slice": 0, "numel": 3, "data": b""},
+        {"kind": "result", "round": "r", "group": "g" * 33, "slice": 0, "numel": 3, "data": b""},
+        {"kind": "probe", "round": "r", "shard": -1, "fingerprint": "x"},
         {"kind": "join", "round": "", "shard": 0, "fingerprint": "x"},
         {"kind": "join", "round": "r" * 65, "shard": 0, "fingerprint": "x"},
         {"kind": "join", "round": "r", "shard": 0.5, "fingerprint": "x"},
@@ -170,9 +179,12 @@ def test_received_nan_is_refused(dhts) -> None:
     ex = asyncio.run(main())
     nan = struct.pack("<3f", 1.0, math.nan, 2.0)
     with pytest.raises(RoundFailed, match="NaN"):
-        ex._decode({"peer": (0, 3, nan)}, "peer", 0, 3)
+        ex._decode({"peer": ("g", 0, 3, nan)}, "peer", "g", 0, 3)
     with pytest.raises(RoundFailed, match="expected slice 1"):
-        ex._decode({"peer": (0, 3, nan)}, "peer", 1, 3)
+        ex._decode({"peer": ("g", 0, 3, nan)}, "peer", "g", 1, 3)
+    ones = struct.pack("<3f", 1.0, 1.0, 1.0)
+    with pytest.raises(RoundFailed, match="another group"):  # a slice meant for another member list
+        ex._decode({"peer": ("other", 0, 3, ones)}, "peer", "g", 0, 3)
 
 
 @pytest.mark.parametrize(("numel", "parts", "block"), [(10, 3, 1), (1000, 3, 256), (5, 4, 64), (0, 2, 1)])
@@ -222,9 +234,9 @@ class LosesItsAveragedSlice(FragmentExchange):
     """A member whose averaged slice never reaches the others, as when it dies halfway through
     sending it: the network fault is injected here, everything else is the real exchange."""
 
-    async def _send_all(self, round_id, kind, slices, deadline) -> None:
+    async def _send_all(self, round_id, kind, group, slices, deadline) -> None:
         if kind != "result":
-            await super()._send_all(round_id, kind, slices, deadline)
+            await super()._send_all(round_id, kind, group, slices, deadline)
 
 
 def test_a_member_missing_an_averaged_slice_takes_the_average_another_member_completed(dhts) -> None:
@@ -261,3 +273,51 @@ def test_a_round_no_member_completed_fails_on_every_member(dhts) -> None:
     results = asyncio.run(main())
     assert all(isinstance(r, RoundFailed) for r in results), results
     assert all("no member completed the round" in str(r) for r in results)
+
+
+def smaller_id_hidden_from_the_larger(ids: list[str], step: int = 0) -> list[dict[str, PeerRecord]]:
+    """Views of the board that disagree, as for a few seconds after a peer dies: the peer with the
+    larger id does not see the smaller one; the smaller sees both (the larger at ``step``)."""
+    small, big = sorted(ids)
+    full = {small: record(ids.index(small)), big: record(ids.index(big), step)}
+    return [full if peer == small else {big: full[big]} for peer in ids]
+
+
+def test_a_peer_that_led_alone_unseen_is_followed_not_split_from(dhts) -> None:
+    async def main():
+        exchanges = await make_pair(dhts, timeout=1.0, views=smaller_id_hidden_from_the_larger)
+        small, big = sorted(exchanges, key=lambda ex: ex.peer_id)
+        try:
+            # the larger id sees nobody else: it leads its own group of one and finishes; the
+            # smaller one waits for it, then asks it, adopts that group and takes its average
+            alone = await big.allreduce("unseen", torch.full((300,), 5.0), 1)
+            follower = await small.allreduce("unseen", torch.full((300,), 1.0), 1)
+            return alone, follower, [(ex.stats.rounds_done, ex.stats.rounds_failed) for ex in exchanges]
+        finally:
+            await stop_all(exchanges)
+
+    alone, follower, counts = asyncio.run(main())
+    # before: the smaller id formed its own group of one at its deadline, a split θ̄
+    assert torch.equal(alone, torch.full((300,), 5.0))
+    assert torch.equal(follower, alone)
+    assert counts == [(1, 0), (1, 0)]
+
+
+def test_a_peer_that_hears_from_a_smaller_unseen_id_yields_the_lead_to_it(dhts) -> None:
+    async def main():
+        views = lambda ids: smaller_id_hidden_from_the_larger(ids, step=1)  # noqa: E731
+        exchanges = await make_pair(dhts, timeout=5.0, views=views)
+        small, big = sorted(exchanges, key=lambda ex: ex.peer_id)
+        try:
+            # the smaller id leads and sees the larger one past the round's step: it asks it; the
+            # larger one, on reaching the round, joins that leader instead of leading alone
+            first = asyncio.ensure_future(small.allreduce("heard", torch.full((300,), 1.0), 1))
+            await asyncio.sleep(1.0)
+            second = await big.allreduce("heard", torch.full((300,), 5.0), 1)
+            return await first, second
+        finally:
+            await stop_all(exchanges)
+
+    first, second = asyncio.run(main())
+    assert torch.equal(first, torch.full((300,), 3.0))  # one group of both: the true mean
+    assert torch.equal(second, first)

@@ -149,7 +149,7 @@ def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(
     try:
         for i in range(3):
             args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "96"]
-            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "drop"]
+            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "drop", "--verbose"]
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
         outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
 
@@ -169,7 +169,8 @@ def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(
 
     summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in survivors]
     assert all(s["kind"] == "summary" and s["steps"] == 96 for s in summaries)
-    assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"]
+    rounds = "\n".join((tmp_path / f"peer{i}.log").read_text()[-6000:] for i in survivors)
+    assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"], rounds
     assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 2
     assert all(s["rounds_done"] >= 16 and s["final_val_ppl"] < s["initial_val_ppl"] * 0.8 for s in summaries)
 

@@ -16,6 +16,7 @@ import msgpack
 HEADER = 4
 MAX_FRAME = 1 << 30  # 1 GiB: a slice of a fragment of a multi-billion-parameter model in fp32
 MAX_ROUND_ID = 64
+MAX_GROUP_TAG = 32
 SLOWEST_LINK_MBPS = 10.0  # deadlines for moving N bytes allow for a link this slow
 
 
@@ -24,7 +25,8 @@ def transfer_allowance_s(num_bytes: int) -> float:
     return 8.0 * num_bytes / (SLOWEST_LINK_MBPS * 1e6)
 
 
-KINDS = ("join", "part", "result", "fetch")
+KINDS = ("join", "probe", "part", "result", "fetch")
+GROUPING = ("join", "probe")  # messages that carry the sender's shard and config fingerprint
 
 
 class BadMessage(Exception):
@@ -35,18 +37,19 @@ class BadMessage(Exception):
 class Request:
     kind: str
     round_id: str
-    shard: int = 0  # join: the sender's data shard (member order)
-    fingerprint: str = ""  # join: the sender's config fingerprint
+    shard: int = 0  # join/probe: the sender's data shard (member order)
+    fingerprint: str = ""  # join/probe: the sender's config fingerprint
+    group: str = ""  # part/result: which member list of the round this delivery belongs to
     slice_index: int = 0  # part/result: which slice of the vector
     numel: int = 0  # part/result: values in that slice
     data: bytes = b""  # part/result: codec-encoded values
 
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {"kind": self.kind, "round": self.round_id}
-        if self.kind == "join":
+        if self.kind in GROUPING:
             body.update(shard=self.shard, fingerprint=self.fingerprint)
         elif self.kind != "fetch":
-            body.update(slice=self.slice_index, numel=self.numel, data=self.data)
+            body.update(group=self.group, slice=self.slice_index, numel=self.numel, data=self.data)
         return body
 
 
@@ -87,24 +90,26 @@ def parse_request(body: dict[str, Any]) -> Request:
         raise BadMessage(f"unknown message kind {kind!r}")
     if not isinstance(round_id, str) or not 0 < len(round_id) <= MAX_ROUND_ID:
         raise BadMessage("'round' must be a short string")
-    if kind == "join":
+    if kind in GROUPING:
         shard, fingerprint = body.get("shard"), body.get("fingerprint")
         if not _is_index(shard) or not isinstance(fingerprint, str) or len(fingerprint) > 64:
-            raise BadMessage("join needs an int 'shard' ≥ 0 and a string 'fingerprint'")
+            raise BadMessage(f"{kind} needs an int 'shard' ≥ 0 and a string 'fingerprint'")
         return Request(kind, round_id, shard=shard, fingerprint=fingerprint)
     if kind == "fetch":  # a left-out or failed member asks for the round's average
         return Request(kind, round_id)
-    index, numel, data = body.get("slice"), body.get("numel"), body.get("data")
+    group, index, numel, data = body.get("group"), body.get("slice"), body.get("numel"), body.get("data")
+    if not isinstance(group, str) or not 0 < len(group) <= MAX_GROUP_TAG:
+        raise BadMessage(f"{kind} needs a short string 'group'")
     if not _is_index(index) or not _is_index(numel) or not isinstance(data, bytes):
         raise BadMessage(f"{kind} needs int 'slice' and 'numel' ≥ 0 and bytes 'data'")
-    return Request(kind, round_id, slice_index=index, numel=numel, data=data)
+    return Request(kind, round_id, group=group, slice_index=index, numel=numel, data=data)
 
 
 def parse_members(body: dict[str, Any]) -> list[tuple[str, int]]:
-    """A leader's answer to a join: the ordered members of the round."""
+    """The answer to a join or probe from a peer that knows the round's group: its ordered members."""
     members = body.get("members")
     if not isinstance(members, list) or not members:
-        raise BadMessage("the leader's answer has no 'members' list")
+        raise BadMessage("the answer has no 'members' list")
     parsed = []
     for item in members:
         if (
