@@ -19,7 +19,7 @@ from p2p_cocodc.codecs import CODECS, get_codec
 from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, slice_bounds
 from p2p_cocodc.swarm.records import PeerRecord
-from p2p_cocodc.swarm.wire import BadMessage, parse_members, parse_request, read_frame
+from p2p_cocodc.swarm.wire import BadMessage, Request, parse_members, parse_request, read_frame
 
 
 def record(shard: int, step: int = 0) -> PeerRecord:
@@ -321,3 +321,43 @@ def test_a_peer_that_hears_from_a_smaller_unseen_id_yields_the_lead_to_it(dhts) 
     first, second = asyncio.run(main())
     assert torch.equal(first, torch.full((300,), 3.0))  # one group of both: the true mean
     assert torch.equal(second, first)
+
+
+def test_a_leader_asked_for_the_average_stops_waiting_for_the_asker(dhts) -> None:
+    async def main():
+        exchanges = await make_pair(dhts, timeout=30.0)
+        leader, asker = sorted(exchanges, key=lambda ex: ex.peer_id)
+        try:
+            # the asker failed its own group of the round and asks the leader, which is still
+            # waiting for it to join: it must form without the asker and serve it the result
+            led = asyncio.ensure_future(leader.allreduce("asked", torch.full((300,), 4.0), 1))
+            await asyncio.sleep(0.5)
+            reply = await asker._call(leader.peer_id, Request("fetch", "asked"), 60)
+            return await led, reply, leader.served["asked"][0]
+        finally:
+            await stop_all(exchanges)
+
+    average, reply, members = asyncio.run(main())
+    assert reply["ok"], reply  # before: "still running here" after 30 s, and the leader formed alone later
+    assert torch.equal(get_codec("fp32").decode(reply["data"], 300), average)
+    assert len(members) == 1 and torch.equal(average, torch.full((300,), 4.0))
+
+
+def test_a_leader_fails_a_round_a_live_peer_has_already_failed(dhts) -> None:
+    async def main():
+        exchanges = await make_pair(dhts, timeout=0.5)
+        leader, early = sorted(exchanges, key=lambda ex: ex.peer_id)
+        try:
+            # the larger id reaches the round first and gives up waiting for its leader; when the
+            # leader gets there it must not average alone what the other peer will never apply
+            runs = []
+            for ex in (early, leader):
+                runs += await asyncio.gather(ex.allreduce("gone", torch.ones(300), 1), return_exceptions=True)
+                await asyncio.sleep(0.5)  # the leader arrives a moment later
+            return runs
+        finally:
+            await stop_all(exchanges)
+
+    gave_up, late = asyncio.run(main())
+    assert isinstance(gave_up, RoundFailed), gave_up
+    assert isinstance(late, RoundFailed) and "already failed the round" in str(late), late

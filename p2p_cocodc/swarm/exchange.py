@@ -571,12 +571,18 @@ class FragmentExchange:
 
     async def _answer(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()  # authenticated by libp2p; never taken from the payload
+        hang_up = None
         try:
             request = parse_request(await read_frame(reader, MESSAGE_TIMEOUT_S))
-            reply = await self._dispatch(sender, request)
+            # the asker sends nothing more: the stream ending means it stopped waiting for us
+            hang_up = asyncio.ensure_future(reader.read(1))
+            reply = await self._dispatch(sender, request, hang_up)
         except BadMessage as exc:
             log.warning("bad message from %s: %s", sender[:12], exc)
             reply = {"ok": False, "error": str(exc)}
+        finally:
+            if hang_up is not None:
+                hang_up.cancel()
         try:
             sending = MESSAGE_TIMEOUT_S + transfer_allowance_s(len(reply.get("data", b"")))
             await asyncio.wait_for(write_frame(writer, reply), sending)
@@ -604,7 +610,9 @@ class FragmentExchange:
         average = self.served[round_id][1]
         return {"ok": True, "numel": average.numel(), "data": EXACT.encode(average)}
 
-    async def _dispatch(self, sender: str, request: Request) -> dict[str, Any]:
+    async def _dispatch(
+        self, sender: str, request: Request, hang_up: asyncio.Future[bytes]
+    ) -> dict[str, Any]:
         if request.kind == "fetch":
             return await self._serve_average(sender, request.round_id)
         if request.round_id in self.finished:
@@ -623,14 +631,21 @@ class FragmentExchange:
         if request.kind == "join" and not state.members.done() and self._leader(state) == self.peer_id:
             state.joins[sender] = request.shard
             state.notify()
+            hang_up.add_done_callback(lambda _: state.notify())
 
             def answered() -> bool:  # group out, round over, or we yielded the lead (dropping joiners)
                 yielded = self._leader(state) != self.peer_id or sender not in state.joins
                 return state.members.done() or state.outcome.done() or yielded
 
+            def gone() -> str | None:
+                return "the joiner hung up" if hang_up.done() else None
+
+            deadline = time.monotonic() + self.round_timeout_s * 4
             try:
-                await state.wait_until(answered, time.monotonic() + self.round_timeout_s * 4, "the group")
+                await state.wait_until(answered, deadline, "the group", gone)
             except RoundFailed:
+                if not state.members.done():
+                    state.joins.pop(sender, None)  # it went elsewhere or gave up: never list it
                 return {"ok": False, "error": "this leader never reached the round"}
             if state.outcome.done() and not state.members.done():
                 return {"ok": False, "failed": True, "error": f"round {request.round_id} failed here"}
@@ -642,10 +657,13 @@ class FragmentExchange:
 
     def _answer_finished(self, request: Request) -> dict[str, Any]:
         """Messages about a round this peer is done with: its group for late joiners and probes;
-        a delivery for its own group is acknowledged (a retry it no longer needs)."""
+        a delivery for its own group is acknowledged (a retry it no longer needs); if the round
+        failed here, every asker learns so, and fails it too rather than apply it without us."""
         served = self.served.get(request.round_id)
         if request.kind in ("part", "result"):
-            if served is not None and request.group != group_tag(served[0]):
+            if served is None:  # we will never apply this round: neither may the sender
+                return {"ok": False, "failed": True, "error": f"round {request.round_id} failed here"}
+            if request.group != group_tag(served[0]):
                 return {"ok": False, "error": "this peer was in another group of the round"}
             return {"ok": True}
         if served is not None:  # a late joiner learns it was left out, a prober adopts the group
