@@ -208,7 +208,7 @@ class FragmentExchange:
             members = await self._form_group(round_id, state, step)
             log.info("round %s: group %s", round_id, [f"{p[:12]}:{s}" for p, s in members])
             if self.peer_id not in [p for p, _ in members]:
-                why = "left out of the round (too late for its leader)"
+                why = "not in the round's group (too late for its leader, or the group formed without us)"
                 averaged = await self._recover(round_id, state, members, vector.numel(), why)
             else:
                 try:
