@@ -178,7 +178,7 @@ class FragmentExchange:
         self.board_view = board_view
         self.round_timeout_s = round_timeout_s
         self.rounds: dict[str, RoundState] = {}
-        self.finished: dict[str, None] = {}  # recent rounds, oldest first
+        self.finished: dict[str, bool] = {}  # recent rounds, oldest first: did each complete here?
         self.served: dict[str, tuple[Members, torch.Tensor]] = {}  # members, average
         self.stats = ExchangeStats()
         self.serving: set[asyncio.Task[Any]] = set()  # answers being written to other peers
@@ -226,7 +226,7 @@ class FragmentExchange:
                 state.outcome.set_result(averaged)
                 state.notify()
             self.rounds.pop(round_id, None)
-            self.finished[round_id] = None
+            self.finished[round_id] = averaged is not None
             if len(self.finished) > MAX_FINISHED:
                 del self.finished[next(iter(self.finished))]
         self.stats.rounds_done += 1
@@ -659,13 +659,13 @@ class FragmentExchange:
         """Messages about a round this peer is done with: its group for late joiners and probes;
         a delivery for its own group is acknowledged (a retry it no longer needs); if the round
         failed here, every asker learns so, and fails it too rather than apply it without us."""
-        served = self.served.get(request.round_id)
+        served = self.served.get(request.round_id)  # None for a failed round, or one long done
+        if not self.finished[request.round_id]:  # we will never apply it: neither may the asker
+            return {"ok": False, "failed": True, "error": f"round {request.round_id} failed here"}
         if request.kind in ("part", "result"):
-            if served is None:  # we will never apply this round: neither may the sender
-                return {"ok": False, "failed": True, "error": f"round {request.round_id} failed here"}
-            if request.group != group_tag(served[0]):
+            if served is not None and request.group != group_tag(served[0]):
                 return {"ok": False, "error": "this peer was in another group of the round"}
             return {"ok": True}
         if served is not None:  # a late joiner learns it was left out, a prober adopts the group
             return {"ok": True, "members": [list(m) for m in served[0]]}
-        return {"ok": False, "failed": True, "error": f"round {request.round_id} failed here"}
+        return {"ok": False, "error": f"round {request.round_id} is long over here"}
