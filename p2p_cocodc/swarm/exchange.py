@@ -335,7 +335,7 @@ class FragmentExchange:
             try:
                 while not call.done():
                     await asyncio.wait({call}, timeout=0.5)
-                    if not call.done() and (state.members.done() or self._leader(state) != leader):
+                    if not call.done() and self._leader(state) != leader:
                         call.cancel()
                         return None
                 return call.result()
