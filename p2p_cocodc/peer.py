@@ -183,6 +183,7 @@ class Peer:
                 self.fingerprint,
                 lambda: self.view,
                 self.opts.round_timeout_s,
+                record_ttl_s=board.ttl_s,
             )
             await self.exchange.start()
             self.state = "training"
@@ -372,6 +373,7 @@ class Peer:
             tokens_per_s=self.step * cfg.batch_size * cfg.seq_len / max(wall - self.eval_s, 1e-9),
             rounds_done=stats.rounds_done,
             rounds_failed=stats.rounds_failed,
+            bytes_resent=stats.bytes_resent,
             peer_id=self.peer_id,
             shard=self.shard_index,
         )

@@ -7,12 +7,17 @@ encoded slices, averages in fp32 and sends its encoded average back, so a replic
 2(M−1)/M of the encoded fragment and lossy codecs quantize twice. Transfer time = latency +
 bytes / bandwidth; transfers on a link are serialised. A result that is not back when due stalls
 training (DiLoCo and DDP are due at once, so they always stall for the whole transfer).
+
+A simulation's whole state (replicas, inner and outer optimizers, schedules, syncs in flight with
+their averaged results, clock, records so far, RNG) is ``state_dict()``; a checkpoint of it resumes
+bit-exactly (``Simulation.resumed``).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +26,13 @@ from typing import Any
 import torch
 
 from p2p_cocodc.algorithms.inner import InnerTrainer
+from p2p_cocodc.algorithms.state import expect_tensor
 from p2p_cocodc.algorithms.strategies import DataParallel, Strategy
-from p2p_cocodc.codecs import Codec, decode_mean
+from p2p_cocodc.butterfly import butterfly_mean
+from p2p_cocodc.checkpoint import Checkpoint, CheckpointWriter
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.data import Shard
-from p2p_cocodc.errors import UserError
+from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.metrics import RunLog
 from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, summary_record
 
@@ -47,15 +54,6 @@ class Link:
         return self.free_at
 
 
-def allreduce(payloads: list[torch.Tensor], codec: Codec) -> torch.Tensor:
-    """The average every replica receives: encoded slices averaged in fp32, the average re-encoded."""
-    if len(payloads) == 1:
-        return payloads[0].clone()
-    numel = payloads[0].numel()
-    mean = decode_mean([codec.encode(x) for x in payloads], codec, numel)
-    return codec.decode(codec.encode(mean), numel)
-
-
 @dataclass
 class Worker:
     trainer: InnerTrainer
@@ -70,52 +68,101 @@ class PendingResult:
 
 
 class Simulation:
-    """Builds M identical replicas and runs them; ``run`` writes records and returns the summary."""
+    """Builds M identical replicas and runs them; ``run`` writes records and returns the summary.
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    ``step_time`` replaces the configured or measured seconds per inner step (a resumed run keeps
+    the interrupted run's, so that ``--overlap auto`` resolves the same)."""
+
+    def __init__(self, cfg: TrainConfig, step_time: float | None = None) -> None:
         self.cfg = cfg
         self.setup = setup = TrainingSetup(cfg)
         self.num_params = setup.num_params
         self.codec = setup.codec
         self.link = Link(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6)
-        self.step_time = setup.step_time() if setup.needs_step_time() else cfg.step_time
+        if step_time is None:
+            step_time = setup.step_time() if setup.needs_step_time() else cfg.step_time
+        self.step_time = step_time
         self.settings = setup.settings(self.link.latency_s, self.link.bandwidth_bps, self.step_time)
         self.workers = []
         for i in range(cfg.workers):
             trainer, strategy = setup.replica(self.settings)
             self.workers.append(Worker(trainer, setup.shard(i, cfg.workers), strategy))
         self.eval_model = copy.deepcopy(setup.base)
+        self.step = 0  # inner steps done
         self.clock = 0.0
         self.stall = 0.0
         self.bytes_sent = 0
         self.pending: dict[int, PendingResult] = {}
+        self.train_losses: list[float] = []  # since the last evaluation
+        self.records: list[dict[str, Any]] = []  # every eval record so far
+
+    @classmethod
+    def resumed(cls, cfg: TrainConfig, checkpoint: Checkpoint) -> Simulation:
+        """The simulation as it was at ``checkpoint``'s step (already checked against ``cfg``'s
+        options); UserError if its data or its state does not fit."""
+        step_time = checkpoint.restore(lambda state: state["clock"]["step_time"])
+        if step_time is not None and not isinstance(step_time, float):
+            raise UserError(f"{checkpoint.path} records a step time of {step_time!r} s: it is damaged")
+        sim = cls(cfg, step_time=step_time)
+        checkpoint.check_data(sim.setup.data_sha256())
+        checkpoint.restore(sim.load_state_dict)
+        return sim
 
     # ---- the run ----
 
-    def run(self, log: RunLog, progress: Callable[[int, dict[str, float]], None] | None = None) -> dict:
+    def run(
+        self,
+        log: RunLog,
+        progress: Callable[[int, dict[str, float]], None] | None = None,
+        checkpoints: CheckpointWriter | None = None,
+        stop: Callable[[], signal.Signals | None] | None = None,
+    ) -> dict:
+        """Train from the current step to --steps and return the summary (also written to ``log``).
+
+        A resumed simulation first writes the records of the steps before its checkpoint, so ``log``
+        ends as an uninterrupted run's would. ``checkpoints`` writes the state when it is due and
+        after the last step. ``stop`` is asked after every step: a signal there ends the run, after
+        checkpointing that step when ``checkpoints`` is given, with ``Stopped``."""
         cfg = self.cfg
-        train_losses: list[float] = []
-        self._evaluate(0, log, train_losses)
-        for step in range(1, cfg.steps + 1):
+        if self.records:
+            for record in self.records:
+                log.write(record)
+        else:
+            self._evaluate(0, log)
+        for step in range(self.step + 1, cfg.steps + 1):
             started = time.perf_counter()
-            train_losses.append(self._inner_step(step))
+            self.train_losses.append(self._inner_step(step))
             compute = time.perf_counter() - started
             self.clock += self.step_time if self.step_time is not None else compute / cfg.workers
             if isinstance(self.workers[0].strategy, Strategy):
                 self._apply_due(step)
                 self._send(step)
                 self._apply_due(step)
+            self.step = step
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                record = self._evaluate(step, log, train_losses)
+                record = self._evaluate(step, log)
                 if progress is not None:
                     progress(step, record)
             elif progress is not None:
                 progress(step, {})
+            received = stop() if stop is not None else None
+            written = None
+            if checkpoints is not None and (received is not None or checkpoints.due(step, cfg.steps)):
+                written = checkpoints.write(step, self.state_dict())
+            if received is not None:
+                how = (
+                    f"checkpoint written to {written}; to continue, run the same command with --resume"
+                    if written is not None
+                    else "no checkpoint written (no --checkpoint-dir)"
+                )
+                raise Stopped(
+                    f"stopped by {received.name} after step {step} of {cfg.steps}: {how}", 128 + received
+                )
         summary = summary_record(
             self.setup,
             self.settings,
-            self.first_eval,
-            self.last_eval,
+            self.records[0],
+            self.records[-1],
             self.global_state(),
             bytes_sent=self.bytes_sent,
             stall_s=self.stall,
@@ -131,7 +178,7 @@ class Simulation:
         strategies = [w.strategy for w in self.workers]
         if isinstance(strategies[0], DataParallel):
             grads = [s.gradient_payload() for s in strategies]  # type: ignore[union-attr]
-            averaged = allreduce(grads, self.codec)
+            averaged = butterfly_mean(grads, self.codec)
             wire = allreduce_wire_bytes(self.codec, averaged.numel(), len(grads))
             for s in strategies:
                 s.apply_gradients(averaged)  # type: ignore[union-attr]
@@ -165,7 +212,7 @@ class Simulation:
     def _send(self, step: int) -> None:
         strategies = self._fragment_strategies()
         for p in self._agreed([s.sends_after(step) for s in strategies], f"to send at step {step}"):
-            averaged = allreduce([s.payload(p, step) for s in strategies], self.codec)
+            averaged = butterfly_mean([s.payload(p, step) for s in strategies], self.codec)
             wire = allreduce_wire_bytes(self.codec, averaged.numel(), len(strategies))
             self.bytes_sent += wire
             self.pending[p] = PendingResult(averaged, self.link.send(self.clock, wire))
@@ -184,17 +231,85 @@ class Simulation:
         """θ̄ of replica 0 (every replica holds the same θ̄; tests check it)."""
         return self.workers[0].strategy.global_state()
 
-    def _evaluate(self, step: int, log: RunLog, train_losses: list[float]) -> dict[str, Any]:
+    def _evaluate(self, step: int, log: RunLog) -> dict[str, Any]:
         record = self.setup.eval_record(self.eval_model, self.global_state(), step, self.cfg.workers)
+        losses = self.train_losses
         record.update(
             sim_time_s=self.clock,
-            train_loss=sum(train_losses) / len(train_losses) if train_losses else None,
+            train_loss=sum(losses) / len(losses) if losses else None,
             bytes_sent=self.bytes_sent,
             stall_s=self.stall,
         )
-        train_losses.clear()
+        losses.clear()
         log.write(record)
-        if step == 0:
-            self.first_eval = record
-        self.last_eval = record
+        self.records.append(record)
         return record
+
+    # ---- state ----
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the run needs to go on bit-exactly after ``step``: each replica's parameters
+        and AdamW state, its strategy's θ̄, outer momentum, schedule and syncs in flight, the
+        averaged results in flight and when they arrive, the clock and link, counters, the train
+        losses since the last evaluation, the records so far, and torch's CPU RNG. The data
+        position is the step itself (``Shard.batch`` is a function of it). Tensors are live."""
+        return {
+            "step": self.step,
+            "clock": {
+                "now": self.clock,
+                "stall": self.stall,
+                "link_free_at": self.link.free_at,
+                "step_time": self.step_time,
+            },
+            "bytes_sent": self.bytes_sent,
+            "settings": self._resolved(),
+            "workers": [
+                {"trainer": w.trainer.state_dict(), "strategy": w.strategy.state_dict()} for w in self.workers
+            ],
+            "pending": [
+                {"fragment": p, "averaged": r.averaged, "arrives_at": r.arrives_at}
+                for p, r in self.pending.items()
+            ],
+            "train_losses": list(self.train_losses),
+            "records": copy.deepcopy(self.records),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over a ``state_dict()`` of a simulation with the same options and data (sets
+        torch's CPU RNG too). ValueError, KeyError or RuntimeError if it does not fit."""
+        if state["settings"] != self._resolved():
+            raise ValueError(f"its run synced with {state['settings']}, this one with {self._resolved()}")
+        if len(state["workers"]) != len(self.workers):
+            raise ValueError(f"it holds {len(state['workers'])} workers, this run {len(self.workers)}")
+        for worker, saved in zip(self.workers, state["workers"], strict=True):
+            worker.trainer.load_state_dict(saved["trainer"])
+            worker.strategy.load_state_dict(saved["strategy"])
+        pending = {}
+        for result in state["pending"]:
+            p = result["fragment"]
+            in_flight = [p in s.in_flight for s in self._fragment_strategies()]
+            if not isinstance(p, int) or p in pending or not all(in_flight):
+                raise ValueError(f"an averaged result for fragment {p!r}, which is not in flight")
+            like = self._fragment_strategies()[0].outer[p].global_params
+            averaged = expect_tensor(result["averaged"], like, f"averaged result of fragment {p}")
+            pending[p] = PendingResult(averaged.clone(), float(result["arrives_at"]))
+        if isinstance(self.workers[0].strategy, Strategy) and set(pending) != set(
+            self._fragment_strategies()[0].in_flight
+        ):
+            raise ValueError("the syncs in flight and the averaged results in flight differ")
+        self.pending = pending
+        clock = state["clock"]
+        self.clock, self.stall = float(clock["now"]), float(clock["stall"])
+        self.link.free_at = float(clock["link_free_at"])
+        self.bytes_sent = int(state["bytes_sent"])
+        self.step = int(state["step"])
+        self.train_losses = [float(x) for x in state["train_losses"]]
+        self.records = list(state["records"])
+        if not self.records or self.records[-1]["step"] > self.step:
+            raise ValueError(f"its records do not end at or before step {self.step}")
+        torch.set_rng_state(expect_tensor(state["rng"]["torch"], torch.get_rng_state(), "torch RNG state"))
+
+    def _resolved(self) -> dict[str, int]:
+        """The settings a run resolves from the link and step time (--overlap/--transmissions auto)."""
+        return {"overlap": self.settings.overlap, "transmissions": self.settings.transmissions}

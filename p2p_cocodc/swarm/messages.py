@@ -1,0 +1,238 @@
+"""The round protocol's messages: one code enum, one frozen dataclass per message, one parser.
+
+Every message is one-way and about one round; answers are messages too. On the wire a message is
+a msgpack map ``{"code": int, "round": str, ...fields}`` (framed by ``swarm/wire.py``).
+``parse_message`` is the only way bytes from another peer become a message: every field is
+type-checked and bounded, and anything else is a ``BadMessage`` naming what was wrong.
+
+| code | fields | meaning |
+|---|---|---|
+| JOIN | shard, fingerprint | "list me in this round" (to the peer I take for its leader) |
+| PROBE | shard, fingerprint | "what do you know of this round?" (a leader to a peer that has not joined) |
+| LEADER | leader | "I take this peer for the round's leader" (answer to JOIN / PROBE) |
+| GROUP | members | "the round's group is this list" (from its leader, or anyone who holds it) |
+| PART | members, index, numel, data | my encoding of slice ``index`` for its owner |
+| RESULT | members, index, numel, data | the owner's encoded mean of slice ``index`` |
+| ACK | kind, index | a PART or RESULT arrived |
+| FETCH | ask | "give me the round's average" (a peer left out of the round, or whose all-reduce failed) |
+| AVERAGE | members, numel, data | the round's average, fp32, bit-exact |
+| STATUS | status, detail, ask | where the round stands here, when that is the whole answer (see ``Status``) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, ClassVar
+
+from p2p_cocodc.swarm.wire import BadMessage
+
+MAX_ROUND_ID = 64
+MAX_PEER_ID = 128
+MAX_MEMBERS = 1024
+MAX_DETAIL = 200
+
+Members = tuple[tuple[str, int], ...]  # (peer id, data shard), in member order
+
+
+class Code(IntEnum):
+    JOIN = 1
+    PROBE = 2
+    LEADER = 3
+    GROUP = 4
+    PART = 5
+    RESULT = 6
+    ACK = 7
+    FETCH = 8
+    AVERAGE = 9
+    STATUS = 10
+
+
+class Status(IntEnum):
+    """What a peer can say of a round when it has no list, slice or average to send."""
+
+    BUSY = 1  # still forming or all-reducing: it may yet complete the round itself
+    WAITING = 2  # no average, and it will take part in no group of the round: it is recovering too
+    FAILED = 3  # settled without an average: it will never apply this round
+    GONE = 4  # it completed the round long ago and no longer holds the average
+    REFUSED = 5  # the message was refused (wrong config, not a peer of this run, too many rounds)
+
+
+@dataclass(frozen=True)
+class Message:
+    round_id: str
+
+    code: ClassVar[Code] = Code.STATUS  # overridden by each message class
+
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": int(self.code), "round": self.round_id, **self.fields()}
+
+
+@dataclass(frozen=True)
+class Join(Message):
+    shard: int = 0
+    fingerprint: str = ""
+    code: ClassVar[Code] = Code.JOIN
+
+    def fields(self) -> dict[str, Any]:
+        return {"shard": self.shard, "fingerprint": self.fingerprint}
+
+
+@dataclass(frozen=True)
+class Probe(Join):
+    code: ClassVar[Code] = Code.PROBE
+
+
+@dataclass(frozen=True)
+class Leader(Message):
+    leader: str = ""
+    code: ClassVar[Code] = Code.LEADER
+
+    def fields(self) -> dict[str, Any]:
+        return {"leader": self.leader}
+
+
+@dataclass(frozen=True)
+class Group(Message):
+    members: Members = ()
+    code: ClassVar[Code] = Code.GROUP
+
+    def fields(self) -> dict[str, Any]:
+        return {"members": [list(m) for m in self.members]}
+
+
+@dataclass(frozen=True)
+class Part(Group):
+    index: int = 0
+    numel: int = 0
+    data: bytes = b""
+    code: ClassVar[Code] = Code.PART
+
+    def fields(self) -> dict[str, Any]:
+        return {**super().fields(), "index": self.index, "numel": self.numel, "data": self.data}
+
+
+@dataclass(frozen=True)
+class Result(Part):
+    code: ClassVar[Code] = Code.RESULT
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    kind: Code = Code.PART
+    index: int = 0
+    code: ClassVar[Code] = Code.ACK
+
+    def fields(self) -> dict[str, Any]:
+        return {"kind": int(self.kind), "index": self.index}
+
+
+@dataclass(frozen=True)
+class Fetch(Message):
+    ask: int = 0  # numbers the asker's FETCHes; the STATUS answering it repeats the number
+    code: ClassVar[Code] = Code.FETCH
+
+    def fields(self) -> dict[str, Any]:
+        return {"ask": self.ask}
+
+
+@dataclass(frozen=True)
+class Average(Group):
+    numel: int = 0
+    data: bytes = b""
+    code: ClassVar[Code] = Code.AVERAGE
+
+    def fields(self) -> dict[str, Any]:
+        return {**super().fields(), "numel": self.numel, "data": self.data}
+
+
+@dataclass(frozen=True)
+class StatusReply(Message):
+    status: Status = Status.WAITING
+    detail: str = ""
+    ask: int = 0  # the FETCH this answers (0: not an answer to a FETCH)
+    code: ClassVar[Code] = Code.STATUS
+
+    def fields(self) -> dict[str, Any]:
+        return {"status": int(self.status), "detail": self.detail, "ask": self.ask}
+
+
+def payload_bytes(message: Message) -> int:
+    """Bytes of tensor data a message carries (what deadlines allow transfer time for)."""
+    return len(getattr(message, "data", b""))
+
+
+def parse_message(body: Any) -> Message:
+    """A message from a decoded msgpack map; raises BadMessage on anything malformed."""
+    if not isinstance(body, dict):
+        raise BadMessage("a message must be a map")
+    try:
+        code = Code(body.get("code"))
+    except ValueError:
+        raise BadMessage(f"unknown message code {body.get('code')!r}") from None
+    round_id = body.get("round")
+    if not isinstance(round_id, str) or not 0 < len(round_id) <= MAX_ROUND_ID:
+        raise BadMessage("'round' must be a short string")
+    if code in (Code.JOIN, Code.PROBE):
+        shard, fingerprint = body.get("shard"), body.get("fingerprint")
+        if not _is_index(shard) or not isinstance(fingerprint, str) or len(fingerprint) > 64:
+            raise BadMessage(f"{code.name} needs an int 'shard' ≥ 0 and a short string 'fingerprint'")
+        return (Join if code == Code.JOIN else Probe)(round_id, shard, fingerprint)
+    if code == Code.LEADER:
+        return Leader(round_id, _peer_id(body.get("leader"), "leader"))
+    if code == Code.FETCH:
+        ask = body.get("ask")
+        if not _is_index(ask):
+            raise BadMessage("FETCH needs an int 'ask'")
+        return Fetch(round_id, ask)
+    if code == Code.ACK:
+        kind, index = body.get("kind"), body.get("index")
+        if kind not in (Code.PART, Code.RESULT) or not _is_index(index):
+            raise BadMessage("ACK needs 'kind' PART or RESULT and an int 'index'")
+        return Ack(round_id, Code(kind), index)
+    if code == Code.STATUS:
+        status, detail, ask = body.get("status"), body.get("detail"), body.get("ask")
+        if status not in set(Status) or not isinstance(detail, str) or len(detail) > MAX_DETAIL:
+            raise BadMessage("STATUS needs a known 'status' and a short string 'detail'")
+        if not _is_index(ask):
+            raise BadMessage("STATUS needs an int 'ask'")
+        return StatusReply(round_id, Status(status), detail, ask)
+    members = parse_members(body.get("members"))
+    if code == Code.GROUP:
+        return Group(round_id, members)
+    numel, data = body.get("numel"), body.get("data")
+    if not _is_index(numel) or not isinstance(data, bytes):
+        raise BadMessage(f"{code.name} needs an int 'numel' ≥ 0 and bytes 'data'")
+    if code == Code.AVERAGE:
+        return Average(round_id, members, numel, data)
+    index = body.get("index")
+    if not _is_index(index) or index >= len(members):
+        raise BadMessage(f"{code.name} needs an int 'index' below the number of members")
+    return (Part if code == Code.PART else Result)(round_id, members, index, numel, data)
+
+
+def parse_members(members: Any) -> Members:
+    """An ordered member list: [[peer id, shard], ...], no peer twice."""
+    if not isinstance(members, list) or not 0 < len(members) <= MAX_MEMBERS:
+        raise BadMessage("'members' must be a non-empty list")
+    parsed = []
+    for item in members:
+        if not isinstance(item, list | tuple) or len(item) != 2 or not _is_index(item[1]):
+            raise BadMessage("each member must be [peer id, shard]")
+        parsed.append((_peer_id(item[0], "member"), item[1]))
+    if len({peer for peer, _ in parsed}) != len(parsed):
+        raise BadMessage("a peer appears twice in the member list")
+    return tuple(parsed)
+
+
+def _peer_id(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_PEER_ID:
+        raise BadMessage(f"'{what}' must be a peer id")
+    return value
+
+
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40

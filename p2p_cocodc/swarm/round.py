@@ -1,0 +1,797 @@
+"""One averaging round on one peer, as a pure state machine: ``handle(event, now) -> effects``.
+
+No I/O, no clock, no threads: the transport (``swarm/exchange.py``) feeds it events (this peer
+reached the round, a message arrived, the board changed, a computation finished, time passed) with
+the time, and carries out the effects it returns (send a message, run a computation, settle the
+round). The same machine runs on an in-memory network with a fake clock in the model check
+(``tests/test_round_model.py``), which drives it through many schedules of delays, drops,
+duplicates, crashes and disagreeing board views and checks its invariants after every event.
+
+Phases (``docs/swarm.md`` has the full tables):
+
+- IDLE: this peer has not reached the round yet; it answers what others ask and records joins if
+  it is the round's leader.
+- FORMING: the group is being chosen. The leader is the smallest id this peer knows to be live for
+  the round (the board, plus any peer heard from within a record lifetime, minus peers that gave the
+  round up or stopped answering). A non-leader sends JOIN to its leader, which answers LEADER (wait,
+  or "go to this smaller id") or GROUP. The leader lists every live peer that joins; it decides
+  once all have, or at its deadline after a last PROBE of every missing peer has been answered or
+  that peer has stopped answering. A PROBE answered with GROUP makes the prober adopt that group;
+  with LEADER naming a smaller unknown id, the prober probes that id; a smaller live id makes a
+  leader yield (its joiners are redirected). A peer takes part in the first group it learns, ever.
+- RUNNING: the butterfly (``p2p_cocodc/butterfly.py``). PARTs and RESULTs carry the member list,
+  are acknowledged, and are re-sent until they are, so reordering, duplicates and drops do no harm;
+  a member that learns one of its group adopted another list, stopped answering, or said it is
+  recovering, knows its group cannot complete and recovers.
+- RECOVERING: a peer left out of the group, or whose butterfly cannot complete, asks every peer it
+  knows for the round's average (FETCH). Any AVERAGE completes the round with that exact average.
+  It settles without one only when no peer it asked may still produce one: every answer is FAILED,
+  GONE or WAITING (itself recovering, or not at the round), every WAITING answer was given after the
+  last other answer became final, and no peer is BUSY. Then it is FAILED, or LOST if a peer said it
+  completed the round but no longer holds the average (this peer's θ̄ is then behind the swarm's).
+- DONE: settled (completed, failed or lost); it still answers, and re-sends its RESULTs until they
+  are acknowledged or the round's deadline has passed.
+
+Invariants (checked by the model after every event): at most one group completes a round; every
+peer that completes holds the same average, bit for bit; no live peer fails a round another live
+peer completed; with no faults every round completes before ``Deadlines.settle_by``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from p2p_cocodc.butterfly import assemble, encode_slices, reduce_slice, slice_sizes
+from p2p_cocodc.codecs import Codec, get_codec
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.swarm.messages import (
+    Ack,
+    Average,
+    Code,
+    Fetch,
+    Group,
+    Join,
+    Leader,
+    Members,
+    Message,
+    Part,
+    Probe,
+    Result,
+    Status,
+    StatusReply,
+)
+
+EXACT = get_codec("fp32")  # averages served to a recovering peer: bit-exact
+
+
+# ---- deadlines: every timeout of the protocol, in one place ----
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Every time limit of a round. ``round_s`` is ``--round-timeout``; transfers of N bytes are
+    allowed ``8·N / slowest_link_mbps`` seconds on top, so a large fragment on a slow link is not
+    taken for a dead peer."""
+
+    round_s: float = 60.0  # the leader's wait for joiners beyond the slowest peer's arrival; the all-reduce
+    resend_s: float = 2.0  # JOIN, PROBE, FETCH and unacknowledged deliveries are sent again after this
+    answer_s: float = 15.0  # a peer that answers nothing we send it for this long is taken for gone
+    heard_s: float = 8.0  # a peer that messaged us is live this long (a board record's lifetime)
+    slowest_link_mbps: float = 10.0
+
+    def transfer_s(self, num_bytes: int) -> float:
+        return 8.0 * num_bytes / (self.slowest_link_mbps * 1e6)
+
+    def resend_after(self, num_bytes: int) -> float:
+        return self.resend_s + self.transfer_s(num_bytes)
+
+    def form_by(self, started: float, eta_s: float) -> float:
+        """The leader decides the group by then (twice the slowest peer's arrival, plus round_s)."""
+        return started + 2.0 * eta_s + self.round_s
+
+    def join_patience(self, started: float, eta_s: float) -> float:
+        """A joiner whose leader has not decided by then gives the round up and recovers."""
+        return self.form_by(started, eta_s) + self.round_s + self.answer_s
+
+    def allreduce_by(self, adopted: float, wire_bytes: int) -> float:
+        """The butterfly completes by then, or the member recovers."""
+        return adopted + self.round_s + 2.0 * self.transfer_s(wire_bytes)
+
+    def settle_by(self, started: float, eta_s: float, wire_bytes: int) -> float:
+        """With no faults, every peer has settled the round by then (the model check asserts it)."""
+        return self.allreduce_by(self.join_patience(started, eta_s), wire_bytes) + self.answer_s
+
+
+@dataclass(frozen=True)
+class BoardPeer:
+    """What the notice board says of a live peer of this run: how far along it is."""
+
+    step: int
+    step_time_s: float
+
+
+# ---- events ----
+
+
+@dataclass(frozen=True)
+class Start:
+    """This peer reached the round: average ``vector`` (sent after inner step ``step``)."""
+
+    step: int
+    vector: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Received:
+    sender: str  # authenticated by the transport, never read from the message
+    message: Message
+
+
+@dataclass(frozen=True)
+class ViewChanged:
+    view: Mapping[str, BoardPeer]  # live training peers of the run with our fingerprint, not us
+
+
+@dataclass(frozen=True)
+class Computed:
+    job: Job
+    value: object = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed: deadlines and re-sends."""
+
+
+Event = Start | Received | ViewChanged | Computed | Tick
+
+
+# ---- effects ----
+
+
+@dataclass(frozen=True)
+class Send:
+    to: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class Job:
+    """Arithmetic to run off the event loop; ``run_job`` does it and returns the ``Computed``."""
+
+    kind: str  # encode | reduce | assemble | decode
+    inputs: tuple = ()
+
+
+@dataclass(frozen=True)
+class Compute:
+    job: Job
+
+
+@dataclass(frozen=True)
+class Completed:
+    average: torch.Tensor
+    members: Members
+    by_butterfly: bool  # False: fetched from a peer that completed
+
+
+@dataclass(frozen=True)
+class Failed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Another peer completed the round, and its average can no longer be had here."""
+
+    reason: str
+
+
+Outcome = Completed | Failed | Lost
+
+
+@dataclass(frozen=True)
+class Settle:
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class Note:
+    """A line for ``join --verbose``."""
+
+    text: str
+
+
+Effect = Send | Compute | Settle | Note
+
+
+def run_job(job: Job, codec: Codec) -> Computed:
+    """Carry out a Compute effect: the butterfly's arithmetic, with bad payloads as errors."""
+    try:
+        if job.kind == "encode":
+            vector, parts = job.inputs
+            value: object = encode_slices(vector, parts, codec)
+        elif job.kind == "reduce":
+            encoded, numel = job.inputs
+            value = reduce_slice(encoded, numel, codec)
+        elif job.kind == "assemble":
+            means, sizes = job.inputs
+            value = assemble(means, sizes, codec)
+        else:
+            data, numel = job.inputs[:2]  # decode: (data, numel, members, sender)
+            value = EXACT.decode(data, numel)
+    except UserError as exc:
+        return Computed(job, error=str(exc))
+    return Computed(job, value)
+
+
+class Phase(Enum):
+    IDLE = "idle"
+    FORMING = "forming"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    DONE = "done"
+
+
+@dataclass
+class Recovery:
+    """What the peers asked for the round's average have answered."""
+
+    since: float
+    asks: int = 0  # FETCHes sent so far (each carries its number)
+    answers: dict[str, tuple[Status, int]] = field(default_factory=dict)  # peer -> (status, ask answered)
+    last_final_ask: int = 0  # asks sent before the last answer became final; WAITING must be newer
+    sent: dict[str, float] = field(default_factory=dict)
+
+
+def short(peer: str) -> str:
+    return peer[:12]
+
+
+class RoundMachine:
+    """One round on one peer. Create it when the peer reaches the round or first hears of it."""
+
+    def __init__(
+        self,
+        me: str,
+        round_id: str,
+        shard: int,
+        fingerprint: str,
+        codec: Codec,
+        deadlines: Deadlines,
+        view: Mapping[str, BoardPeer],
+        now: float,
+    ) -> None:
+        self.me = me
+        self.round_id = round_id
+        self.shard = shard
+        self.fingerprint = fingerprint
+        self.codec = codec
+        self.deadlines = deadlines
+        self.view = dict(view)
+        self.seen_on_board = set(self.view)  # a member that has left the board is gone
+        self.phase = Phase.IDLE
+        self.step: int | None = None
+        self.vector: torch.Tensor | None = None
+        self.started_at = now
+        self.eta_s = 0.0
+        # who is live for this round
+        self.heard: dict[str, float] = {}  # peer -> when it last messaged us
+        self.silent_since: dict[str, float] = {}  # peer -> first message it has not answered since
+        self.gave_up: set[str] = set()  # peers that asked for the average: they will not join
+        # forming
+        self.joins: dict[str, int] = {}  # while leading: joined peer -> shard
+        self.joined: str | None = None  # the leader we sent JOIN to
+        self.closing_since: float | None = None  # the leader's deadline passed: last probes are out
+        self.answered_probe: dict[str, float] = {}  # peer -> when it last answered a JOIN/PROBE of ours
+        self.points_to: dict[str, str] = {}  # peer -> the leader it named in its last LEADER answer
+        self.gave_round_up = False  # asked for the average with no group: it joins no group, ever
+        self.last_sent: dict[tuple[Code, str], float] = {}
+        # the group and the butterfly
+        self.members: Members | None = None
+        self.adopted_at = now
+        self.slices: list[bytes] | None = None
+        self.sizes: list[int] = []
+        self.parts: dict[str, bytes] = {}
+        self.results: dict[str, bytes] = {}
+        self.acked: set[tuple[Code, str]] = set()
+        self.jobs_out: set[str] = set()
+        self.recovery: Recovery | None = None
+        self.outcome: Outcome | None = None
+        self.why_recovering = ""
+
+    # ---- the one entry point ----
+
+    def handle(self, event: Event, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        if isinstance(event, Start):
+            self._on_start(event, now, out)
+        elif isinstance(event, Received):
+            self._on_message(event.sender, event.message, now, out)
+        elif isinstance(event, ViewChanged):
+            self.view = dict(event.view)
+            self.view.pop(self.me, None)
+            self.seen_on_board |= set(self.view)
+        elif isinstance(event, Computed):
+            self._on_computed(event, now, out)
+        self._advance(now, out)
+        return out
+
+    @property
+    def settled(self) -> bool:
+        return self.outcome is not None
+
+    def forget_average(self) -> None:
+        """Drop the average to free memory: askers hear it is gone (and know they are behind)."""
+        if isinstance(self.outcome, Completed):
+            self.outcome = Lost("completed here; the average is no longer kept")
+
+    def quiescent(self, now: float) -> bool:
+        """Settled, and nothing left to deliver: the transport may keep only its answer."""
+        if not self.settled:
+            return False
+        return not self._undelivered_results(now)
+
+    # ---- who is live ----
+
+    def present(self, now: float) -> set[str]:
+        """Peers (not us) that are there: on the board, heard from within a record lifetime, or
+        members of our group that have not left the board; and not silent for ``answer_s`` after we
+        sent them something."""
+        recent = {p for p, t in self.heard.items() if now - t <= self.deadlines.heard_s}
+        left_board = self.seen_on_board - set(self.view)
+        members = {p for p, _ in self.members or ()} - left_board
+        return (set(self.view) | recent | members) - self._silent(now) - {self.me}
+
+    def live(self, now: float) -> set[str]:
+        """Peers that may still take part in a group of this round: present, and not recovering."""
+        return self.present(now) - self.gave_up
+
+    def _silent(self, now: float) -> set[str]:
+        return {p for p, t in self.silent_since.items() if now - t > self.deadlines.answer_s}
+
+    def leader(self, now: float) -> str:
+        return min(self.live(now) | {self.me})
+
+    def _expect_answer(self, peer: str, now: float) -> None:
+        self.silent_since.setdefault(peer, now)
+
+    def _send(self, out: list[Effect], to: str, message: Message, now: float, expect: bool = True) -> None:
+        out.append(Send(to, message))
+        self.last_sent[(message.code, to)] = now
+        if expect:
+            self._expect_answer(to, now)
+
+    def _due(self, code: Code, to: str, now: float, every: float | None = None) -> bool:
+        last = self.last_sent.get((code, to))
+        return last is None or now - last >= (every if every is not None else self.deadlines.resend_s)
+
+    # ---- events ----
+
+    def _on_start(self, event: Start, now: float, out: list[Effect]) -> None:
+        if self.phase != Phase.IDLE:
+            return
+        self.step, self.vector = event.step, event.vector
+        self.started_at = now
+        etas = [max(event.step - p.step, 0) * p.step_time_s for p in self.view.values()]
+        self.eta_s = max(etas, default=0.0)
+        self.phase = Phase.FORMING
+        if self.members is not None:
+            self._enter_group(now, out)
+        elif self.gave_round_up:
+            self._recover(now, out, "another peer asked us for the average before we reached the round")
+
+    def _on_message(self, sender: str, msg: Message, now: float, out: list[Effect]) -> None:
+        if sender == self.me:
+            return
+        self.heard[sender] = now
+        self.silent_since.pop(sender, None)
+        if isinstance(msg, Join | Probe):  # Probe is a Join subclass: both ask what we know
+            self._on_join(sender, msg, now, out)
+        elif isinstance(msg, Leader):
+            self.answered_probe[sender] = now
+            self.points_to[sender] = msg.leader
+            hinted = msg.leader
+            if hinted != self.me and hinted not in self.present(now) and self.phase == Phase.FORMING:
+                if self._due(Code.PROBE, hinted, now):  # a peer we do not know takes part: ask it
+                    self._send(out, hinted, Probe(self.round_id, self.shard, self.fingerprint), now)
+        elif isinstance(msg, Part | Result):
+            self._on_delivery(sender, msg, now, out)
+        elif isinstance(msg, Average):
+            self._on_average(sender, msg, now, out)
+        elif isinstance(msg, Group):
+            self.answered_probe[sender] = now
+            self._on_group(sender, msg.members, now, out)
+        elif isinstance(msg, Ack):
+            self.acked.add((msg.kind, sender))
+        elif isinstance(msg, Fetch):
+            self._on_fetch(sender, msg, now, out)
+        elif isinstance(msg, StatusReply):
+            self.answered_probe[sender] = now
+            self._on_status(sender, msg, now, out)
+
+    def _on_join(self, sender: str, msg: Join, now: float, out: list[Effect]) -> None:
+        if msg.fingerprint != self.fingerprint:
+            self._reply_status(out, sender, Status.REFUSED, "your options differ from this run's", now)
+            return
+        if self.members is not None:
+            self._send(out, sender, Group(self.round_id, self.members), now, expect=False)
+        elif self.phase == Phase.DONE or self.phase == Phase.RECOVERING:
+            self._reply_settled(out, sender, now)
+        elif msg.code == Code.JOIN and self.leader(now) == self.me:
+            self.joins[sender] = msg.shard
+            self._send(out, sender, Leader(self.round_id, self.me), now, expect=False)
+        else:
+            self._send(out, sender, Leader(self.round_id, self.leader(now)), now, expect=False)
+
+    def _on_group(self, sender: str, members: Members, now: float, out: list[Effect]) -> None:
+        if self.members is None:
+            if self.phase in (Phase.IDLE, Phase.FORMING):
+                self._adopt(members, now, out, f"from {short(sender)}")
+        elif members != self.members and self.phase == Phase.RUNNING and self._is_member(sender):
+            self._recover(now, out, f"member {short(sender)} is in another group of the round")
+
+    def _on_delivery(self, sender: str, msg: Part, now: float, out: list[Effect]) -> None:
+        if self.members is None and self.phase in (Phase.IDLE, Phase.FORMING):
+            self._adopt(msg.members, now, out, f"from a delivery of {short(sender)}")
+        if self.members != msg.members:
+            if self.members is not None:
+                self._send(out, sender, Group(self.round_id, self.members), now, expect=False)
+            else:
+                self._reply_settled(out, sender, now)
+            return
+        if self.phase == Phase.RECOVERING or (
+            self.phase == Phase.DONE and not isinstance(self.outcome, Completed)
+        ):
+            self._reply_settled(out, sender, now)  # our butterfly is over: the sender must recover
+            return
+        peers = [p for p, _ in self.members]
+        if sender not in peers:
+            return
+        me, them = peers.index(self.me), peers.index(sender)
+        box = self.parts if msg.code == Code.PART else self.results
+        if msg.index != (me if msg.code == Code.PART else them):
+            return  # not the slice this peer owns (or the sender owns): ignore, never ACK
+        if sender not in box and self.phase != Phase.DONE:
+            box[sender] = msg.data
+            self._check_size(sender, msg, now, out)
+        self._send(out, sender, Ack(self.round_id, msg.code, msg.index), now, expect=False)
+
+    def _check_size(self, sender: str, msg: Part, now: float, out: list[Effect]) -> None:
+        if self.sizes and msg.numel != self.sizes[msg.index]:
+            self._recover(
+                now,
+                out,
+                f"peer {short(sender)} sent slice {msg.index} of {msg.numel} values, "
+                f"expected {self.sizes[msg.index]}",
+            )
+
+    def _on_average(self, sender: str, msg: Average, now: float, out: list[Effect]) -> None:
+        if self.phase == Phase.RECOVERING and "decode" not in self.jobs_out and self.vector is not None:
+            if msg.numel != self.vector.numel():
+                return
+            self.jobs_out.add("decode")
+            out.append(Compute(Job("decode", (msg.data, msg.numel, msg.members, sender))))
+
+    def _on_fetch(self, sender: str, msg: Fetch, now: float, out: list[Effect]) -> None:
+        self.gave_up.add(sender)  # it will not join: a leader stops waiting for it
+        self.joins.pop(sender, None)
+        if isinstance(self.outcome, Completed):
+            average = self.outcome.average
+            reply: Message = Average(
+                self.round_id, self.outcome.members, average.numel(), EXACT.encode(average)
+            )
+            self._send(out, sender, reply, now, expect=False)
+        elif self.outcome is not None or self.phase == Phase.RECOVERING:
+            self._reply_settled(out, sender, now, msg.ask)
+        elif self._is_member(self.me) or self.joins:
+            self._reply_status(out, sender, Status.BUSY, "still in the round", now, msg.ask)
+        else:
+            self._give_round_up(sender, msg.ask, now, out)
+
+    def _give_round_up(self, asker: str, ask: int, now: float, out: list[Effect]) -> None:
+        """Asked for the average with no group and not leading: promise to join no group of the
+        round, ever, so the asker may rely on this WAITING (a group formed later could complete
+        after the asker has failed the round)."""
+        self.gave_round_up = True
+        if self.joined is not None:
+            self._reply_status(out, self.joined, Status.WAITING, "gave the round up", now)
+        self._reply_status(out, asker, Status.WAITING, "gave the round up", now, ask)
+        if self.phase == Phase.FORMING:
+            self._recover(now, out, f"{short(asker)} asked us for the average before a group formed")
+
+    def _on_status(self, sender: str, msg: StatusReply, now: float, out: list[Effect]) -> None:
+        status = msg.status
+        if self.phase == Phase.DONE:
+            self.acked.add((Code.RESULT, sender))  # it settled too: it needs nothing more from us
+            return
+        if self.phase == Phase.RECOVERING and self.recovery is not None:
+            self._record_answer(sender, status, msg, now)
+            return
+        if status == Status.REFUSED:  # it does not know us yet (its board lags): we re-send anyway
+            out.append(Note(f"round {self.round_id}: {short(sender)} refused us: {msg.detail}"))
+        elif status == Status.WAITING:
+            self.gave_up.add(sender)  # recovering or not in any group: it will not join ours
+            self.joins.pop(sender, None)
+            if self.phase == Phase.RUNNING and self._is_member(sender):
+                self._recover(now, out, f"member {short(sender)} is recovering")
+        elif status in (Status.FAILED, Status.GONE) and self.phase in (Phase.FORMING, Phase.RUNNING):
+            if self.phase == Phase.RUNNING and not self._is_member(sender):
+                return
+            self._recover(now, out, f"peer {short(sender)} has settled the round ({status.name})")
+            assert self.recovery is not None
+            self._record_answer(sender, status, msg, now)
+
+    def _on_computed(self, event: Computed, now: float, out: list[Effect]) -> None:
+        kind = event.job.kind
+        self.jobs_out.discard(kind)
+        if self.phase == Phase.DONE:
+            return
+        if kind == "decode":
+            if self.phase == Phase.RECOVERING and event.error is None:
+                _, _, members, sender = event.job.inputs
+                assert isinstance(event.value, torch.Tensor)
+                self._settle(Completed(event.value, members, by_butterfly=False), now, out)
+                out.append(Note(f"round {self.round_id}: took the average {short(sender)} completed"))
+            return
+        if self.phase != Phase.RUNNING:
+            return
+        if event.error is not None:
+            self._recover(now, out, event.error)
+        elif kind == "encode":
+            assert isinstance(event.value, list) and self.members is not None
+            self.slices = event.value
+            self.parts[self.me] = self.slices[self._index(self.me)]
+        elif kind == "reduce":
+            assert isinstance(event.value, bytes)
+            self.results[self.me] = event.value
+        elif kind == "assemble":
+            assert isinstance(event.value, torch.Tensor) and self.members is not None
+            self._settle(Completed(event.value, self.members, by_butterfly=True), now, out)
+
+    # ---- the phases ----
+
+    def _advance(self, now: float, out: list[Effect]) -> None:
+        if self.phase == Phase.FORMING:
+            self._form(now, out)
+        if self.phase == Phase.RUNNING:
+            self._run(now, out)
+        if self.phase == Phase.RECOVERING:
+            self._ask_for_average(now, out)
+        if self.phase == Phase.DONE:
+            self._deliver_results(now, out)
+
+    def _form(self, now: float, out: list[Effect]) -> None:
+        leader = self.leader(now)
+        if leader != self.me:
+            if self.joins.keys() - {self.me}:  # we led, but a smaller live id is known: yield to it
+                out.append(Note(f"round {self.round_id}: yielding the lead to {short(leader)}"))
+                for peer in self.joins.keys() - {self.me}:
+                    self._send(out, peer, Leader(self.round_id, leader), now, expect=False)
+            self.joins = {}
+            self.closing_since = None
+            if self.joined != leader or self._due(Code.JOIN, leader, now):
+                self.joined = leader
+                self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint), now)
+            if now >= self.deadlines.join_patience(self.started_at, self.eta_s):
+                self._recover(now, out, f"leader {short(leader)} did not form the group in time")
+            return
+        self.joined = None
+        self.joins[self.me] = self.shard
+        missing = self.live(now) - set(self.joins)
+        if not missing:
+            self._decide(now, out)
+            return
+        assert self.step is not None
+        overdue = {p for p in missing if p not in self.view or self.view[p].step >= self.step}
+        for peer in overdue:  # it is past the round, or unseen on the board: ask what it knows
+            if self._due(Code.PROBE, peer, now, 2 * self.deadlines.resend_s):
+                self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
+        if now < self.deadlines.form_by(self.started_at, self.eta_s):
+            return
+        if self.closing_since is None:  # the deadline: a last probe of every missing peer
+            self.closing_since = now
+            for peer in missing:
+                self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
+        if self._last_probes_answered(missing, now, out):  # no missing peer is coming: form without
+            out.append(Note(f"round {self.round_id}: forms without {sorted(short(p) for p in missing)}"))
+            self._decide(now, out)
+
+    def _last_probes_answered(self, missing: set[str], now: float, out: list[Effect]) -> bool:
+        """Whether every missing peer, and every peer one of them named as its leader, has answered
+        a probe sent since the deadline (or stopped answering): until then one of them may hold or
+        lead a group we do not know of. Re-sends the probes still unanswered."""
+        since = self.closing_since
+        assert since is not None
+        unanswered = {p for p in missing if self.answered_probe.get(p, -1.0) < since}
+        hinted = {self.points_to.get(p) for p in missing} - {None, self.me} - missing
+        unanswered |= {
+            h
+            for h in hinted
+            if h is not None and h not in self._silent(now) and self.answered_probe.get(h, -1.0) < since
+        }
+        for peer in unanswered:
+            if self._due(Code.PROBE, peer, now):
+                self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
+        return not unanswered
+
+    def _decide(self, now: float, out: list[Effect]) -> None:
+        members = tuple(sorted(self.joins.items(), key=lambda item: (item[1], item[0])))
+        self._adopt(members, now, out, "as its leader")
+
+    def _adopt(self, members: Members, now: float, out: list[Effect], how: str) -> None:
+        """The first group this peer learns is its group of the round, for good."""
+        self.members = members
+        self.adopted_at = now
+        out.append(Note(f"round {self.round_id}: group {[f'{short(p)}:{s}' for p, s in members]} ({how})"))
+        for peer in set(self.joins) - {self.me}:  # our joiners learn it from us
+            self._send(out, peer, Group(self.round_id, members), now, expect=False)
+        self.joins = {}
+        if self.phase == Phase.FORMING:
+            self._enter_group(now, out)
+
+    def _enter_group(self, now: float, out: list[Effect]) -> None:
+        assert self.members is not None and self.vector is not None
+        if not self._is_member(self.me):
+            self._recover(now, out, "not in the round's group (too late for its leader)")
+            return
+        self.phase = Phase.RUNNING
+        self.adopted_at = max(self.adopted_at, self.started_at)
+        if len(self.members) == 1:
+            self._settle(Completed(self.vector.clone(), self.members, by_butterfly=True), now, out)
+            return
+        self.sizes = slice_sizes(self.vector.numel(), len(self.members), self.codec.block)
+        for sender in list(self.parts):
+            if sender != self.me and len(self.parts[sender]) != self.codec.wire_bytes(
+                self.sizes[self._index(self.me)]
+            ):
+                self._recover(now, out, f"peer {short(sender)} sent a slice of the wrong size")
+                return
+        self.jobs_out.add("encode")
+        out.append(Compute(Job("encode", (self.vector, len(self.members)))))
+
+    def _run(self, now: float, out: list[Effect]) -> None:
+        assert self.members is not None
+        peers = [p for p, _ in self.members]
+        if self.slices is not None:
+            for j, peer in enumerate(peers):
+                if peer != self.me:
+                    self._deliver(out, peer, Code.PART, j, self.slices[j], now)
+        if self.slices is not None and len(self.parts) == len(peers) and self.me not in self.results:
+            if "reduce" not in self.jobs_out:
+                mine = self._index(self.me)
+                self.jobs_out.add("reduce")
+                out.append(Compute(Job("reduce", ([self.parts[p] for p in peers], self.sizes[mine]))))
+        if self.me in self.results:
+            for peer in peers:
+                if peer != self.me:
+                    self._deliver(out, peer, Code.RESULT, self._index(self.me), self.results[self.me], now)
+        if len(self.results) == len(peers) and "assemble" not in self.jobs_out:
+            self.jobs_out.add("assemble")
+            out.append(Compute(Job("assemble", ([self.results[p] for p in peers], list(self.sizes)))))
+            return
+        wire = self.codec.wire_bytes(self.vector.numel()) if self.vector is not None else 0
+        if now >= self.deadlines.allreduce_by(self.adopted_at, 2 * wire):
+            self._recover(now, out, "the all-reduce timed out")
+            return
+        missing = [p for p in peers if p not in self.parts or p not in self.results]
+        gone = [p for p in missing if p != self.me and p not in self.live(now)]
+        if gone:
+            self._recover(now, out, f"member {short(gone[0])} is gone")
+
+    def _deliver(self, out: list[Effect], peer: str, code: Code, index: int, data: bytes, now: float) -> None:
+        """Send a PART or RESULT until the member acknowledges it (or is gone)."""
+        if (code, peer) in self.acked or peer not in self.live(now):
+            return
+        if self._due(code, peer, now, self.deadlines.resend_after(len(data))):
+            assert self.members is not None
+            message = (Part if code == Code.PART else Result)(
+                self.round_id, self.members, index, self.sizes[index], data
+            )
+            self._send(out, peer, message, now)
+
+    def _undelivered_results(self, now: float) -> list[str]:
+        if (
+            not isinstance(self.outcome, Completed)
+            or not self.outcome.by_butterfly
+            or self.me not in self.results
+        ):
+            return []
+        if now >= self.deadlines.allreduce_by(self.adopted_at, 0) + self.deadlines.answer_s:
+            return []
+        peers = [p for p, _ in self.outcome.members if p != self.me]
+        return [p for p in peers if (Code.RESULT, p) not in self.acked and p in self.live(now)]
+
+    def _deliver_results(self, now: float, out: list[Effect]) -> None:
+        for peer in self._undelivered_results(now):
+            self._deliver(out, peer, Code.RESULT, self._index(self.me), self.results[self.me], now)
+
+    def _recover(self, now: float, out: list[Effect], why: str) -> None:
+        if self.phase in (Phase.RECOVERING, Phase.DONE):
+            return
+        self.phase = Phase.RECOVERING
+        self.why_recovering = why
+        self.recovery = Recovery(since=now)
+        out.append(Note(f"round {self.round_id}: {why}; asking the other peers for the average"))
+
+    def _ask_for_average(self, now: float, out: list[Effect]) -> None:
+        rec = self.recovery
+        assert rec is not None
+        members = {p for p, _ in self.members or ()}
+        asked = self.present(now)
+        gone = (members | set(rec.answers)) - asked - {self.me}
+        for peer in gone:  # a peer that stopped answering is final, like a FAILED one
+            if peer in rec.answers and rec.answers[peer][0] in (Status.FAILED, Status.GONE):
+                continue
+            rec.answers[peer] = (Status.FAILED, rec.asks)
+            rec.last_final_ask = rec.asks
+        pending = []
+        for peer in sorted(asked):
+            status, ask = rec.answers.get(peer, (None, -1))
+            if status in (Status.FAILED, Status.GONE):
+                continue
+            if status == Status.WAITING and ask > rec.last_final_ask:
+                continue
+            pending.append(peer)
+            if self._due(Code.FETCH, peer, now):
+                rec.asks += 1
+                rec.sent[peer] = now
+                self._send(out, peer, Fetch(self.round_id, ask=rec.asks), now)
+        if pending or "decode" in self.jobs_out:
+            return
+        lost = any(status == Status.GONE for status, _ in rec.answers.values())
+        why = f"{self.why_recovering}, and no peer holds the round's average"
+        self._settle(Lost(why + " any more") if lost else Failed(why), now, out)
+
+    def _record_answer(self, sender: str, status: Status, msg: StatusReply, now: float) -> None:
+        rec = self.recovery
+        assert rec is not None
+        previous = rec.answers.get(sender)
+        if previous is not None and previous[0] in (Status.FAILED, Status.GONE):
+            return  # final answers stay final
+        rec.answers[sender] = (status, self._answered_ask(status, msg.ask))
+        if status in (Status.FAILED, Status.GONE):
+            rec.last_final_ask = rec.asks
+        elif status == Status.BUSY and previous is not None and previous[0] == Status.WAITING:
+            rec.last_final_ask = rec.asks  # it joined a group after all: ask the others again
+
+    def _answered_ask(self, status: Status, ask: int) -> int:
+        """Which FETCH an answer counts for: a WAITING confirms nothing that became final after
+        the FETCH it answers was sent (that peer may have copied the average in between)."""
+        return ask
+
+    def _settle(self, outcome: Outcome, now: float, out: list[Effect]) -> None:
+        self.outcome = outcome
+        self.phase = Phase.DONE
+        self.parts = {}
+        self.slices = None
+        self.vector = None
+        out.append(Settle(outcome))
+
+    def _reply_settled(self, out: list[Effect], to: str, now: float, ask: int = 0) -> None:
+        """A peer that has no average to give and will not complete the round itself says so."""
+        if isinstance(self.outcome, Failed):
+            self._reply_status(out, to, Status.FAILED, self.outcome.reason, now, ask)
+        elif isinstance(self.outcome, Lost):
+            self._reply_status(
+                out, to, Status.GONE, "completed elsewhere; this peer has no average", now, ask
+            )
+        else:
+            self._reply_status(out, to, Status.WAITING, "recovering", now, ask)
+
+    def _reply_status(
+        self, out: list[Effect], to: str, status: Status, detail: str, now: float, ask: int = 0
+    ) -> None:
+        self._send(out, to, StatusReply(self.round_id, status, detail[:200], ask), now, expect=False)
+
+    def _is_member(self, peer: str) -> bool:
+        return self.members is not None and any(p == peer for p, _ in self.members)
+
+    def _index(self, peer: str) -> int:
+        assert self.members is not None
+        return [p for p, _ in self.members].index(peer)

@@ -1,0 +1,329 @@
+"""A model of the swarm for the round machine: 3-5 peers on an in-memory network with a fake clock.
+
+``explore(seed)`` builds one schedule from a seed and runs it: when each peer reaches the round,
+how long every message takes (so messages overtake each other), which are dropped or duplicated,
+which peers crash and when, how long each peer's view of the board lags behind the truth (dead
+peers linger, new ones appear late), and how long each computation takes. It checks the machine's
+invariants after every event and returns a ``Verdict``; nothing here reads a real clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from p2p_cocodc.butterfly import butterfly_mean
+from p2p_cocodc.codecs import get_codec
+from p2p_cocodc.swarm.round import (
+    BoardPeer,
+    Completed,
+    Compute,
+    Deadlines,
+    Failed,
+    Lost,
+    Received,
+    RoundMachine,
+    Send,
+    Settle,
+    Start,
+    Tick,
+    ViewChanged,
+    run_job,
+)
+
+DEADLINES = Deadlines(round_s=20.0, resend_s=1.0, answer_s=6.0, heard_s=4.0)
+TICK_S = 0.5
+STEP = 10  # the round's step; every peer's board record says it is there once it starts
+ROUND = "f0:10"
+
+
+@dataclass
+class Plan:
+    """One schedule, drawn from a seed."""
+
+    ids: list[str]
+    start_at: dict[str, float]
+    crash_at: dict[str, float]
+    delay: tuple[float, float]  # message delay range, seconds
+    slow_share: float  # share of messages delayed by up to 3 s more
+    drop: float
+    duplicate: float
+    view_lag: dict[tuple[str, str], float]  # (viewer, peer) -> seconds until the viewer sees the peer
+    linger: dict[tuple[str, str], float]  # (viewer, dead peer) -> seconds it stays on the viewer's board
+    codec: str
+    numel: int
+
+    @property
+    def faults(self) -> bool:
+        return bool(self.crash_at) or self.drop > 0
+
+
+def draw_plan(seed: int) -> Plan:
+    rng = random.Random(seed)
+    n = rng.choice([3, 3, 4, 5])
+    ids = sorted({f"{rng.randrange(16**8):08x}" for _ in range(n)})
+    while len(ids) < n:
+        ids.append(f"{rng.randrange(16**8):08x}")
+    start_at = {p: rng.uniform(0, 3) for p in ids}
+    if rng.random() < 0.3:  # a straggler, or a peer joining the run late
+        start_at[rng.choice(ids)] = rng.uniform(5, 40)
+    crash_at: dict[str, float] = {}
+    if rng.random() < 0.5:
+        for victim in rng.sample(ids, rng.choice([1, 1, 2]) if n > 3 else 1):
+            crash_at[victim] = rng.uniform(0, 30)
+    view_lag: dict[tuple[str, str], float] = {}
+    if rng.random() < 0.4:  # views disagree: newcomers show on the others' boards late (they see all)
+        for newcomer in rng.sample(ids, rng.choice([1, 2]) if n > 3 else 1):
+            for viewer in ids:
+                if viewer != newcomer and rng.random() < 0.7:
+                    view_lag[(viewer, newcomer)] = start_at[newcomer] + rng.uniform(0, 8)
+    linger = {(v, p): rng.uniform(0, DEADLINES.heard_s * 2) for v in ids for p in crash_at if v != p}
+    fast = rng.random() < 0.5
+    return Plan(
+        ids=ids,
+        start_at=start_at,
+        crash_at=crash_at,
+        delay=(0.001, 0.05) if fast else (0.01, 1.0),
+        slow_share=rng.choice([0.0, 0.1, 0.3]),
+        drop=rng.choice([0.0, 0.0, 0.05, 0.2]),
+        duplicate=rng.choice([0.0, 0.1]),
+        view_lag=view_lag,
+        linger=linger,
+        codec=rng.choice(["fp32", "fp32", "int8"]),
+        numel=rng.choice([5, 8, 130]),
+    )
+
+
+@dataclass
+class Verdict:
+    seed: int
+    violation: str | None = None
+    events: int = 0
+    outcomes: dict[str, str] = field(default_factory=dict)
+    end_time: float = 0.0
+
+
+class World:
+    """The peers, the network and the clock of one schedule."""
+
+    def __init__(self, plan: Plan, rng: random.Random, machine: type[RoundMachine]) -> None:
+        self.plan = plan
+        self.rng = rng
+        self.machine_cls = machine
+        self.codec = get_codec(plan.codec)
+        self.now = 0.0
+        self.queue: list[tuple[float, int, object]] = []
+        self.order = count()
+        self.machines: dict[str, RoundMachine] = {}
+        self.vectors = {p: torch.randn(plan.numel, generator=torch.Generator().manual_seed(i)) for i, p in
+                        enumerate(plan.ids)}
+        self.outcomes: dict[str, object] = {}
+        self.settled_at: dict[str, float] = {}
+        self.dead: set[str] = set()
+        self.started: set[str] = set()
+        self.events = 0
+        self.trace: list[str] | None = None
+        self.checked_state = (0, 0)
+
+    # ---- the schedule ----
+
+    def at(self, t: float, what: object) -> None:
+        heapq.heappush(self.queue, (t, next(self.order), what))
+
+    def view_of(self, viewer: str) -> dict[str, BoardPeer]:
+        """What ``viewer``'s board shows now: started peers once its lag has passed, dead peers
+        until they have lingered long enough."""
+        view = {}
+        for peer in self.plan.ids:
+            if peer == viewer:
+                continue
+            shows_at = self.plan.view_lag.get((viewer, peer), 0.0)
+            if self.now < shows_at:
+                continue
+            crash = self.plan.crash_at.get(peer)
+            if crash is not None and self.now >= crash + self.plan.linger.get((viewer, peer), 0.0):
+                continue
+            step = STEP if peer in self.started else STEP - 1
+            view[peer] = BoardPeer(step=step, step_time_s=1.0)
+        return view
+
+    def machine(self, peer: str) -> RoundMachine:
+        if peer not in self.machines:
+            self.machines[peer] = self.machine_cls(
+                peer, ROUND, self.plan.ids.index(peer), "fp", self.codec, DEADLINES, self.view_of(peer), self.now
+            )
+        return self.machines[peer]
+
+    def feed(self, peer: str, event: object) -> None:
+        if peer in self.dead:
+            return
+        effects = self.machine(peer).handle(event, self.now)  # type: ignore[arg-type]
+        if self.trace is not None and not isinstance(event, Tick | ViewChanged):
+            self.trace.append(f"{self.now:8.3f} {peer[:6]} <- {describe(event)}")
+        for effect in effects:
+            if self.trace is not None and not isinstance(effect, Compute):
+                self.trace.append(f"{self.now:8.3f} {peer[:6]} -> {describe(effect)}")
+            if isinstance(effect, Send):
+                self.send(peer, effect)
+            elif isinstance(effect, Compute):
+                self.at(self.now + self.rng.choice([0.0, 0.01, 0.3]), ("computed", peer, effect.job))
+            elif isinstance(effect, Settle):
+                if peer in self.outcomes:
+                    raise AssertionError(f"{peer} settled twice")
+                self.outcomes[peer] = effect.outcome
+                self.settled_at[peer] = self.now
+
+    def send(self, sender: str, effect: Send) -> None:
+        plan, rng = self.plan, self.rng
+        copies = 2 if rng.random() < plan.duplicate else 1
+        for _ in range(copies):
+            if rng.random() < plan.drop:
+                continue
+            delay = rng.uniform(*plan.delay)
+            if rng.random() < plan.slow_share:
+                delay += rng.uniform(0, 3)
+            self.at(self.now + delay, ("deliver", effect.to, sender, effect.message))
+
+    def run(self, seed: int, limit_s: float = 900.0) -> Verdict:
+        plan = self.plan
+        for peer, t in plan.start_at.items():
+            self.at(t, ("start", peer))
+        for peer, t in plan.crash_at.items():
+            self.at(t, ("crash", peer))
+        changes = {t for t in plan.view_lag.values()} | {
+            plan.crash_at[p] + t for (_, p), t in plan.linger.items()
+        } | set(plan.start_at.values())
+        for t in changes:
+            self.at(t + 1e-6, ("views",))
+        self.at(TICK_S, ("tick",))
+        verdict = Verdict(seed)
+        while self.queue:
+            t, _, what = heapq.heappop(self.queue)
+            self.now = t
+            self.events += 1
+            kind = what[0]  # type: ignore[index]
+            if kind == "start":
+                _, peer = what  # type: ignore[misc]
+                self.started.add(peer)
+                self.feed(peer, Start(STEP, self.vectors[peer]))
+                self.broadcast_views()
+            elif kind == "deliver":
+                _, to, sender, message = what  # type: ignore[misc]
+                if sender in self.dead and self.rng.random() < 0.5:
+                    continue  # a crashed peer's messages in flight may be lost with it
+                self.feed(to, Received(sender, message))
+            elif kind == "computed":
+                _, peer, job = what  # type: ignore[misc]
+                self.feed(peer, run_job(job, self.codec))
+            elif kind == "crash":
+                self.dead.add(what[1])  # type: ignore[index]
+            elif kind == "views":
+                self.broadcast_views()
+            elif kind == "tick":
+                for peer in list(self.machines):
+                    self.feed(peer, Tick())
+                if not self.finished() and self.now < limit_s:
+                    self.at(self.now + TICK_S, ("tick",))
+            verdict.violation = self.check()
+            if verdict.violation:
+                break
+            if self.finished() and kind == "tick":
+                break
+        verdict.violation = verdict.violation or self.check_end(limit_s)
+        verdict.events = self.events
+        verdict.end_time = self.now
+        verdict.outcomes = {p[:6]: type(o).__name__ for p, o in self.outcomes.items()}
+        return verdict
+
+    def broadcast_views(self) -> None:
+        for peer in list(self.machines):
+            self.feed(peer, ViewChanged(self.view_of(peer)))
+
+    def live_peers(self) -> list[str]:
+        return [p for p in self.plan.ids if p not in self.dead]
+
+    def finished(self) -> bool:
+        """Every live peer started and settled, and nothing of theirs is left to deliver."""
+        live = self.live_peers()
+        return all(p in self.outcomes for p in live) and all(
+            self.machines[p].quiescent(self.now) for p in live
+        )
+
+    # ---- the invariants ----
+
+    def check(self) -> str | None:
+        """The invariants; they depend only on outcomes and on who is alive, so they are evaluated
+        again whenever either has changed since the last event."""
+        state = (len(self.outcomes), len(self.dead))
+        if state == self.checked_state:
+            return None
+        self.checked_state = state
+        completed = {p: o for p, o in self.outcomes.items() if isinstance(o, Completed)}
+        groups = {o.members for o in completed.values() if o.by_butterfly}
+        if len(groups) > 1:
+            return f"two groups completed the round: {groups}"
+        averages = list(completed.values())
+        for o in averages[1:]:
+            if not torch.equal(o.average, averages[0].average):
+                return "two peers completed with different averages"
+        if averages:
+            members = averages[0].members
+            expected = butterfly_mean([self.vectors[p] for p, _ in members], self.codec)
+            if not torch.equal(averages[0].average, expected):
+                return f"the average is not the butterfly mean of its members {members}"
+        live = set(self.live_peers())
+        live_completed = [p for p in completed if p in live]
+        live_failed = [p for p, o in self.outcomes.items() if p in live and not isinstance(o, Completed)]
+        if live_completed and live_failed:
+            return f"live peers disagree: {live_completed} completed, {live_failed} did not"
+        lost = [p for p, o in self.outcomes.items() if isinstance(o, Lost)]
+        if lost:
+            return f"{lost} lost the round (nothing is ever evicted in the model)"
+        return None
+
+    def check_end(self, limit_s: float) -> str | None:
+        live = self.live_peers()
+        unsettled = [p for p in live if p not in self.outcomes]
+        if unsettled:
+            return f"{unsettled} never settled (by {self.now:.0f} s)"
+        bound = DEADLINES.settle_by(max(self.plan.start_at.values()), 0.0, 0)
+        late = {p: t for p, t in self.settled_at.items() if p in live and t > bound}
+        if late:
+            return f"peers settled after the bound {bound:.0f} s: {late}"
+        if not self.plan.faults:
+            full = tuple(sorted(self.plan.ids))
+            for p in live:
+                o = self.outcomes[p]
+                if not isinstance(o, Completed):
+                    reason = o.reason if isinstance(o, Failed | Lost) else o
+                    return f"no faults, yet {p[:6]} did not complete: {reason}"
+                on_time = max(self.plan.start_at.values()) < 5 and not self.plan.view_lag
+                if tuple(sorted(m for m, _ in o.members)) != full and on_time:
+                    return f"no faults and everyone on time, yet the group was {o.members}"
+        return None
+
+
+def describe(item: object) -> str:
+    """One short line for a trace: peer ids cut to 6 characters, tensors and bytes left out."""
+    if isinstance(item, Received | Send):
+        message = item.message
+        fields = {k: v for k, v in vars(message).items() if k not in ("round_id", "data")}
+        if "members" in fields:
+            fields["members"] = [m[:6] for m, _ in fields["members"]]
+        who = item.sender if isinstance(item, Received) else item.to
+        return f"{type(message).__name__}{'<' if isinstance(item, Received) else '>'}{who[:6]} {fields}"
+    if isinstance(item, Start):
+        return "Start"
+    return repr(item)[:160]
+
+
+def explore(seed: int, machine: type[RoundMachine] = RoundMachine, trace: bool = False) -> tuple[Verdict, list[str]]:
+    """Run the schedule of ``seed``; with ``trace``, also every event and effect, one per line."""
+    plan = draw_plan(seed)
+    world = World(plan, random.Random(seed * 7919 + 1), machine)
+    world.trace = [] if trace else None
+    return world.run(seed), world.trace or []

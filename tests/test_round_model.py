@@ -1,0 +1,98 @@
+"""The round machine checked by a model: thousands of schedules of 3-5 peers on an in-memory
+network with a fake clock (``tests/round_model.py``), and machines with one guard removed, which
+the same check must catch (so it has teeth)."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from p2p_cocodc.swarm.messages import Status
+from p2p_cocodc.swarm.round import Effect, RoundMachine
+from round_model import draw_plan, explore
+
+SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "10000"))
+CHUNKS = 8
+
+
+def explore_range(args: tuple[int, int, str]) -> list[tuple[int, str]]:
+    start, stop, variant = args
+    machine = VARIANTS.get(variant, RoundMachine)
+    found = []
+    for seed in range(start, stop):
+        verdict, _ = explore(seed, machine)
+        if verdict.violation:
+            found.append((seed, verdict.violation))
+    return found
+
+
+def violations(count: int, variant: str = "", first: int = 0) -> list[tuple[int, str]]:
+    """Explore ``count`` schedules on every core (2 here); the seeds that broke an invariant."""
+    step = -(-count // CHUNKS)
+    ranges = [(first + i, min(first + i + step, first + count), variant) for i in range(0, count, step)]
+    with ProcessPoolExecutor(min(os.cpu_count() or 1, 4)) as pool:
+        return [v for found in pool.map(explore_range, ranges) for v in found]
+
+
+def test_every_invariant_holds_on_ten_thousand_schedules() -> None:
+    broken = violations(SCHEDULES)
+    assert not broken, f"{len(broken)} schedules broke an invariant, e.g. seed {broken[0][0]}: {broken[0][1]}"
+
+
+def test_the_schedules_cover_the_faults_they_claim() -> None:
+    plans = [draw_plan(seed) for seed in range(500)]
+    assert sum(bool(p.crash_at) for p in plans) > 150
+    assert sum(p.drop > 0 for p in plans) > 150
+    assert sum(bool(p.view_lag) for p in plans) > 100
+    assert sum(max(p.start_at.values()) > 5 for p in plans) > 80
+    assert {len(p.ids) for p in plans} == {3, 4, 5}
+
+
+def test_a_schedule_is_reproduced_exactly_from_its_seed() -> None:
+    first, trace = explore(17, trace=True)
+    again, trace_again = explore(17, trace=True)
+    assert trace == trace_again and first.outcomes == again.outcomes and trace
+
+
+# ---- teeth: each variant drops one guard of the machine; the check must catch it ----
+
+
+class NoYieldToHeardPeers(RoundMachine):
+    """Takes only the board for the live peers: never yields to a smaller id it merely heard from."""
+
+    def live(self, now: float) -> set[str]:
+        return (set(self.view) - self.gave_up - self._silent(now)) - {self.me}
+
+
+class NoLastProbes(RoundMachine):
+    """At its deadline, forms the group without asking the missing peers what they know."""
+
+    def _last_probes_answered(self, missing: set[str], now: float, out: list[Effect]) -> bool:
+        return True
+
+
+class NoPromise(RoundMachine):
+    """Answers WAITING to a FETCH without giving the round up: it may still join a group."""
+
+    def _give_round_up(self, asker: str, ask: int, now: float, out: list[Effect]) -> None:
+        self._reply_status(out, asker, Status.WAITING, "not at the round", now, ask)
+
+
+class NoConfirmation(RoundMachine):
+    """Takes any WAITING answer as final, even one given before another answer became final."""
+
+    def _answered_ask(self, status: Status, ask: int) -> int:
+        return 1 << 40
+
+
+VARIANTS: dict[str, type[RoundMachine]] = {
+    cls.__name__: cls for cls in (NoYieldToHeardPeers, NoLastProbes, NoPromise, NoConfirmation)
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_check_catches_a_machine_with_one_guard_removed(variant: str) -> None:
+    broken = violations(4000, variant)
+    assert broken, f"{variant}: no schedule of 4000 broke an invariant; the check has no teeth there"
