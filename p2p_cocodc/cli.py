@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import click
 
-from p2p_cocodc.config import FIELDS, build_config, load_toml
-from p2p_cocodc.errors import UserError
+from p2p_cocodc.config import FIELDS, TrainConfig, build_config, load_toml
+from p2p_cocodc.errors import Stopped, UserError
 
 
 def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,6 +46,59 @@ def _config_from(config_path: str | None, options: dict[str, Any]) -> Any:
     return build_config(file_values, {k: v for k, v in options.items() if v is not None})
 
 
+def check_output_paths(cfg: TrainConfig) -> None:
+    """Fail now, before any set-up, if --out, --save or --checkpoint-dir cannot be written: a bad
+    path must not cost a whole run. Missing parent folders are created, as the run would."""
+    for option, path in (("--out", cfg.out), ("--save", cfg.save)):
+        if path is not None:
+            file = Path(path)
+            if file.is_dir():
+                raise UserError(f"{option} {path} is a folder: give a file name")
+            _check_folder(f"{option} {path}", file.parent)
+            if file.exists():
+                try:
+                    open(file, "ab").close()  # opened for appending: not changed
+                except OSError as exc:
+                    raise UserError(f"{option} {path}: cannot write it ({exc.strerror})") from None
+    if cfg.checkpoint_dir is not None:
+        _check_folder(f"--checkpoint-dir {cfg.checkpoint_dir}", Path(cfg.checkpoint_dir))
+
+
+def _check_folder(what: str, folder: Path) -> None:
+    """Create ``folder`` if needed and write a nameless temporary file in it, or UserError."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{what}: {folder} is a file, not a folder") from None
+    except OSError as exc:
+        raise UserError(f"{what}: cannot create the folder {folder} ({exc.strerror})") from None
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UserError(f"{what}: cannot write in {folder} ({exc.strerror})") from None
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[Callable[[], signal.Signals | None]]:
+    """While open, SIGINT and SIGTERM do not end the process: the returned function says which
+    arrived, so the run can stop after its current step. A second signal acts at once, as usual."""
+    received: list[signal.Signals] = []
+    watched = (signal.SIGINT, signal.SIGTERM)
+
+    def note(signum: int, frame: Any) -> None:
+        received.append(signal.Signals(signum))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    previous = {sig: signal.signal(sig, note) for sig in watched}
+    try:
+        yield lambda: received[0] if received else None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @click.group()
 @click.version_option(package_name="p2p-cocodc")
 def cli() -> None:
@@ -52,23 +109,39 @@ def cli() -> None:
 @training_options
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
-    """Simulate M workers over a modelled WAN in one process (virtual clock)."""
+    """Simulate M workers over a modelled WAN in one process (virtual clock).
+
+    With --checkpoint-dir, SIGINT or SIGTERM stops the run after the current step with a
+    checkpoint; --resume continues it bit-exactly (--out is rewritten to match)."""
+    cfg = _config_from(config_path, options)
+    check_output_paths(cfg)
+
+    from p2p_cocodc.checkpoint import CheckpointWriter, find_resume_point
     from p2p_cocodc.metrics import RunLog
     from p2p_cocodc.progress import ProgressBar
     from p2p_cocodc.sim import Simulation
 
-    cfg = _config_from(config_path, options)
-    sim = Simulation(cfg)
+    checkpoint = find_resume_point(cfg)
+    sim = Simulation(cfg) if checkpoint is None else Simulation.resumed(cfg, checkpoint)
+    resumed = f", resumed after step {sim.step} from {checkpoint.path}" if checkpoint else ""
     click.echo(
         f"{cfg.algo}: {cfg.workers} workers, {sim.num_params / 1e6:.2f} M params, T={cfg.steps} "
         f"H={cfg.inner_steps} K={cfg.fragments} τ={sim.settings.overlap} "
-        f"N={sim.settings.transmissions} codec={cfg.codec}",
+        f"N={sim.settings.transmissions} codec={cfg.codec}{resumed}",
         err=True,
     )
+    writer = None
+    if cfg.checkpoint_dir is not None:
+        data = sim.setup.data_sha256()
+        writer = CheckpointWriter(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.computing_options(), data)
     log = RunLog(cfg.out)
     try:
         with ProgressBar(cfg.steps, disable=quiet) as bar:
-            summary = sim.run(log, progress=bar.update)
+            if writer is None:
+                summary = sim.run(log, progress=bar.update)
+            else:
+                with stop_on_signals() as stop:
+                    summary = sim.run(log, progress=bar.update, checkpoints=writer, stop=stop)
     finally:
         log.close()
     click.echo(
@@ -106,11 +179,18 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
 
     from p2p_cocodc.config import SWARM_TABLE, read_toml
     from p2p_cocodc.logs import configure_logging
-    from p2p_cocodc.peer import SWARM_KEYS, Peer, swarm_options
 
     configure_logging(logging.INFO if verbose else logging.WARNING)
-    swarm_cli = {k: options.pop(k) for k in SWARM_KEYS}
+    swarm_cli = {k: options.pop(k) for k in list(options) if k not in FIELDS}
     cfg = _config_from(config_path, options)
+    if cfg.checkpoint_dir is not None or cfg.resume:
+        raise UserError(
+            "join: --checkpoint-dir and --resume: checkpoints are only implemented for simulate so far"
+        )
+    check_output_paths(cfg)
+
+    from p2p_cocodc.peer import Peer, swarm_options  # hivemind: imported once the options are known good
+
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
     opts = swarm_options(swarm_file, swarm_cli)
     summary = run_peer(Peer(cfg, opts), cfg, quiet)
@@ -257,6 +337,9 @@ def main() -> None:
     except UserError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except Stopped as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("interrupted", err=True)
         sys.exit(130)

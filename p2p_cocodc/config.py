@@ -22,9 +22,18 @@ if TYPE_CHECKING:  # the settings classes live with torch code: imported when fi
 AUTO = "auto"
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, auto: bool = False) -> Any:
-    """A field with its help text, allowed string values, and whether it accepts 'auto'."""
-    return field(default=default, metadata={"help": help, "choices": choices, "auto": auto})
+def _opt(
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    auto: bool = False,
+    computes: bool = True,
+) -> Any:
+    """A field with its help text, allowed string values, whether it accepts 'auto', and whether it
+    changes what a run computes or records (``computes``: False for output paths, checkpoint
+    settings and thread count, which a resumed run may change)."""
+    metadata = {"help": help, "choices": choices, "auto": auto, "computes": computes}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,26 @@ class TrainConfig:
     # evaluation and output
     eval_every: int = _opt(48, "evaluate θ̄ every E inner steps")
     eval_batches: int = _opt(16, "validation batches per evaluation")
-    out: str | None = _opt(None, "write JSON-lines records here")
-    save: str | None = _opt(None, "write the final global parameters θ̄ here (safetensors)")
-    threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
+    out: str | None = _opt(None, "write JSON-lines records here", computes=False)
+    save: str | None = _opt(None, "write the final global parameters θ̄ here (safetensors)", computes=False)
+    threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)", computes=False)
+    # checkpoints (simulate only so far)
+    checkpoint_dir: str | None = _opt(
+        None,
+        "checkpoint the run into this folder (default: no checkpoints); the newest 3 are kept",
+        computes=False,
+    )
+    checkpoint_every: int = _opt(
+        0,
+        "with --checkpoint-dir: also checkpoint every E inner steps (0: only at the end and on "
+        "SIGINT/SIGTERM)",
+        computes=False,
+    )
+    resume: bool = _opt(
+        False,
+        "continue bit-exactly from the newest checkpoint in --checkpoint-dir (same options)",
+        computes=False,
+    )
 
     def validate(self) -> TrainConfig:
         """Raise UserError naming the option to fix; return self so calls chain."""
@@ -112,6 +138,12 @@ class TrainConfig:
             raise UserError(f"--step-time must be > 0 seconds, got {self.step_time}")
         if self.threads is not None and self.threads < 1:
             raise UserError(f"--threads must be ≥ 1, got {self.threads}")
+        if self.checkpoint_every < 0:
+            raise UserError(f"--checkpoint-every must be ≥ 0, got {self.checkpoint_every}")
+        if self.checkpoint_dir is None:
+            for name, given in (("resume", self.resume), ("checkpoint_every", self.checkpoint_every)):
+                if given:
+                    raise UserError(f"--{_dash(name)} needs --checkpoint-dir (the folder of the checkpoints)")
         for name, value in asdict(self).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"--{_dash(name)} must be a finite number, got {value}")
@@ -127,6 +159,14 @@ class TrainConfig:
             transmissions=1 if self.transmissions == AUTO else None,
         )
         return self
+
+    def computing_options(self) -> dict[str, Any]:
+        """The options that decide what a run computes and records, by name: what a checkpoint
+        must share with the run that resumes it. ``data`` is left out: a checkpoint compares the
+        data's content instead, so a moved file still resumes."""
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if f.metadata["computes"] and f.name != "data"
+        }
 
     def algo_settings(self, overlap: int | None = None, transmissions: int | None = None) -> AlgoSettings:
         """The core's settings; ``overlap``/``transmissions`` resolve 'auto' once the link is known."""

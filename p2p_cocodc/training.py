@@ -7,6 +7,7 @@ of a swarm and worker i of a simulation start from identical weights and read id
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import time
 from dataclasses import asdict
@@ -43,6 +44,15 @@ class TrainingSetup:
         self.inner = cfg.inner_settings()
         self.codec: Codec = get_codec(cfg.codec)
         self.val_batches = validation_batches(self.tokens.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+
+    def data_sha256(self) -> str:
+        """sha256 over the token ids (int64, native byte order) of the train and validation splits:
+        the data a run sees."""
+        digest = hashlib.sha256()
+        for split in (self.tokens.train, self.tokens.val):
+            digest.update(split.numel().to_bytes(8, "little"))
+            digest.update(split.contiguous().numpy())  # hashed in place, no copy
+        return digest.hexdigest()
 
     def shard(self, index: int, count: int) -> Shard:
         """Worker ``index`` of ``count`` reads this disjoint, deterministic part of the train split."""

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from p2p_cocodc.algorithms.state import expect_tensor
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,35 @@ class InnerTrainer:
         loss = self.backward(x, y)
         self.update(step)
         return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replica's parameters and buffers, and AdamW's state (moments and step count per
+        parameter, in ``model.parameters()`` order, keyed "0", "1", …; its hyperparameters). The
+        LR schedule keeps no state: ``lr_at`` is a function of the inner step, which the driver
+        holds. Tensors are the live ones, not copies."""
+        adamw = self.optimizer.state_dict()
+        return {
+            "model": dict(self.model.state_dict()),
+            "adamw": {
+                "state": {str(i): dict(s) for i, s in adamw["state"].items()},
+                "param_groups": [{**g, "betas": list(g["betas"])} for g in adamw["param_groups"]],
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over a ``state_dict()`` of a trainer of the same model: strict, shapes checked."""
+        self.model.load_state_dict(state["model"])
+        params = list(self.model.parameters())
+        moments = {}
+        for key, saved in state["adamw"]["state"].items():
+            i = int(key)
+            if not 0 <= i < len(params):
+                raise ValueError(f"AdamW state for parameter {i}, but the model has {len(params)}")
+            for name in ("exp_avg", "exp_avg_sq"):
+                expect_tensor(saved[name], params[i].detach(), f"AdamW {name} of parameter {i}")
+            moments[i] = saved
+        groups = [{**g, "betas": tuple(g["betas"])} for g in state["adamw"]["param_groups"]]
+        self.optimizer.load_state_dict({"state": moments, "param_groups": groups})
 
 
 @torch.no_grad()

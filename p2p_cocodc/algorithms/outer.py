@@ -7,8 +7,11 @@ float ops on the same averaged Δ, so every peer holds a bit-identical θ̄ afte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from p2p_cocodc.algorithms.state import expect_tensor
 
 
 @dataclass(frozen=True)
@@ -38,3 +41,12 @@ class OuterOptimizer:
         update = grad.add(self.momentum, alpha=s.momentum) if s.nesterov else self.momentum
         self.global_params.sub_(update, alpha=s.lr)
         return self.global_params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """θ̄ and the momentum buffer: the live fp32 tensors, not copies (a writer copies them)."""
+        return {"global_params": self.global_params, "momentum": self.momentum}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy in θ̄ and the momentum buffer of a ``state_dict()``; shapes must match this fragment."""
+        for name, target in self.state_dict().items():
+            target.copy_(expect_tensor(state[name], target, name))

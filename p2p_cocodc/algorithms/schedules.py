@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from p2p_cocodc.algorithms.state import expect_list
 
 
 class Schedule(Protocol):
@@ -19,6 +21,10 @@ class Schedule(Protocol):
     def record_send(self, fragment: int, step: int) -> None: ...
 
     def record_result(self, fragment: int, delta: torch.Tensor) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class FixedSchedule:
@@ -44,6 +50,14 @@ class FixedSchedule:
 
     def record_result(self, fragment: int, delta: torch.Tensor) -> None:
         """Fixed offsets ignore the results."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: the timetable is a function of the step and the settings."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"a fixed schedule has no state, got keys {sorted(state)}")
 
 
 class AdaptiveSchedule:
@@ -89,3 +103,20 @@ class AdaptiveSchedule:
     def record_result(self, fragment: int, delta: torch.Tensor) -> None:
         """Remember the size of the averaged outer gradient: the drift estimate for the score."""
         self.last_rms[fragment] = math.sqrt(float(delta.double().square().sum()) / delta.numel())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Send steps, sent flags and drift estimates per fragment (plain Python values)."""
+        return {
+            "last_send": list(self.last_send),
+            "prev_send": list(self.prev_send),
+            "sent": list(self.sent),
+            "last_rms": list(self.last_rms),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over a ``state_dict()`` of a schedule with as many fragments."""
+        k = len(self.sent)
+        self.last_send = expect_list(state["last_send"], k, int, "last_send")
+        self.prev_send = expect_list(state["prev_send"], k, int, "prev_send")
+        self.sent = expect_list(state["sent"], k, bool, "sent")
+        self.last_rms = expect_list(state["last_rms"], k, float, "last_rms")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_p
 from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
 from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, Schedule
+from p2p_cocodc.algorithms.state import expect_tensor
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import ALGORITHMS, DC_RULES
 
@@ -156,6 +158,40 @@ class Strategy:
                 values[name] = chunk.view_as(param)
         return {k: values.get(k, v) for k, v in self.model.state_dict().items()}
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this object adds to the replica, to resume bit-exactly: θ̄ and the outer
+        momentum per fragment, the schedule's state, and the syncs in flight (snapshot, send step,
+        due step; in send order). The replica's own parameters belong to its InnerTrainer, and the
+        averaged results a driver holds for the syncs in flight belong to the driver. Tensors are
+        the live ones, not copies."""
+        return {
+            "outer": [outer.state_dict() for outer in self.outer],
+            "schedule": self.schedule.state_dict(),
+            "in_flight": [
+                {"fragment": p, "snapshot": s.snapshot, "sent_step": s.sent_step, "due_step": s.due_step}
+                for p, s in self.in_flight.items()
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over a ``state_dict()`` of a strategy of the same algorithm and fragment split."""
+        if len(state["outer"]) != len(self.outer):
+            raise ValueError(
+                f"the state has {len(state['outer'])} fragments, this strategy {len(self.outer)}"
+            )
+        for outer, saved in zip(self.outer, state["outer"], strict=True):
+            outer.load_state_dict(saved)
+        self.schedule.load_state_dict(state["schedule"])
+        in_flight: dict[int, PendingSync] = {}
+        for sync in state["in_flight"]:
+            p = sync["fragment"]
+            if not isinstance(p, int) or not 0 <= p < len(self.outer) or p in in_flight:
+                raise ValueError(f"a sync in flight names fragment {p!r}")
+            like = self.outer[p].global_params
+            snapshot = expect_tensor(sync["snapshot"], like, f"snapshot of fragment {p}").clone()
+            in_flight[p] = PendingSync(snapshot, int(sync["sent_step"]), int(sync["due_step"]))
+        self.in_flight = in_flight
+
 
 class Streaming(Strategy):
     """Streaming DiLoCo: θ_p ← α·θ_p(now) + (1 − α)·z_p."""
@@ -226,6 +262,14 @@ class DataParallel:
 
     def global_state(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: θ̄ is the replica itself, saved with its InnerTrainer."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"ddp keeps no state of its own, got keys {sorted(state)}")
 
 
 def make_strategy(
