@@ -35,7 +35,11 @@ from p2p_cocodc.swarm.round import (
     run_job,
 )
 
-DEADLINES = Deadlines(round_s=20.0, resend_s=1.0, answer_s=6.0, heard_s=4.0)
+# The channel the protocol assumes: a message takes at most MAX_DELAY_S, and of two copies of a
+# message in a row on one link at most one is lost, so a live peer answers within
+# 2·resend_s + 2·MAX_DELAY_S + a tick; answer_s is set above that (the failure detector is right).
+MAX_DELAY_S = 4.0
+DEADLINES = Deadlines(round_s=20.0, resend_s=1.0, answer_s=12.0, heard_s=4.0)
 TICK_S = 0.5
 STEP = 10  # the round's step; every peer's board record says it is there once it starts
 ROUND = "f0:10"
@@ -119,8 +123,10 @@ class World:
         self.queue: list[tuple[float, int, object]] = []
         self.order = count()
         self.machines: dict[str, RoundMachine] = {}
-        self.vectors = {p: torch.randn(plan.numel, generator=torch.Generator().manual_seed(i)) for i, p in
-                        enumerate(plan.ids)}
+        self.vectors = {
+            p: torch.randn(plan.numel, generator=torch.Generator().manual_seed(i))
+            for i, p in enumerate(plan.ids)
+        }
         self.outcomes: dict[str, object] = {}
         self.settled_at: dict[str, float] = {}
         self.dead: set[str] = set()
@@ -128,6 +134,7 @@ class World:
         self.events = 0
         self.trace: list[str] | None = None
         self.checked_state = (0, 0)
+        self.dropped_last: set[tuple[str, str]] = set()  # links whose last message was dropped
 
     # ---- the schedule ----
 
@@ -154,7 +161,14 @@ class World:
     def machine(self, peer: str) -> RoundMachine:
         if peer not in self.machines:
             self.machines[peer] = self.machine_cls(
-                peer, ROUND, self.plan.ids.index(peer), "fp", self.codec, DEADLINES, self.view_of(peer), self.now
+                peer,
+                ROUND,
+                self.plan.ids.index(peer),
+                "fp",
+                self.codec,
+                DEADLINES,
+                self.view_of(peer),
+                self.now,
             )
         return self.machines[peer]
 
@@ -180,12 +194,15 @@ class World:
     def send(self, sender: str, effect: Send) -> None:
         plan, rng = self.plan, self.rng
         copies = 2 if rng.random() < plan.duplicate else 1
+        link = (sender, effect.to)
         for _ in range(copies):
-            if rng.random() < plan.drop:
+            if rng.random() < plan.drop and link not in self.dropped_last:
+                self.dropped_last.add(link)
                 continue
+            self.dropped_last.discard(link)
             delay = rng.uniform(*plan.delay)
             if rng.random() < plan.slow_share:
-                delay += rng.uniform(0, 3)
+                delay = min(delay + rng.uniform(0, 3), MAX_DELAY_S)
             self.at(self.now + delay, ("deliver", effect.to, sender, effect.message))
 
     def run(self, seed: int, limit_s: float = 900.0) -> Verdict:
@@ -194,9 +211,11 @@ class World:
             self.at(t, ("start", peer))
         for peer, t in plan.crash_at.items():
             self.at(t, ("crash", peer))
-        changes = {t for t in plan.view_lag.values()} | {
-            plan.crash_at[p] + t for (_, p), t in plan.linger.items()
-        } | set(plan.start_at.values())
+        changes = (
+            {t for t in plan.view_lag.values()}
+            | {plan.crash_at[p] + t for (_, p), t in plan.linger.items()}
+            | set(plan.start_at.values())
+        )
         for t in changes:
             self.at(t + 1e-6, ("views",))
         self.at(TICK_S, ("tick",))
@@ -321,7 +340,9 @@ def describe(item: object) -> str:
     return repr(item)[:160]
 
 
-def explore(seed: int, machine: type[RoundMachine] = RoundMachine, trace: bool = False) -> tuple[Verdict, list[str]]:
+def explore(
+    seed: int, machine: type[RoundMachine] = RoundMachine, trace: bool = False
+) -> tuple[Verdict, list[str]]:
     """Run the schedule of ``seed``; with ``trace``, also every event and effect, one per line."""
     plan = draw_plan(seed)
     world = World(plan, random.Random(seed * 7919 + 1), machine)

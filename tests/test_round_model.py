@@ -8,10 +8,10 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+from round_model import draw_plan, explore
 
 from p2p_cocodc.swarm.messages import Status
 from p2p_cocodc.swarm.round import Effect, RoundMachine
-from round_model import draw_plan, explore
 
 SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "10000"))
 CHUNKS = 8
@@ -62,8 +62,8 @@ def test_a_schedule_is_reproduced_exactly_from_its_seed() -> None:
 class NoYieldToHeardPeers(RoundMachine):
     """Takes only the board for the live peers: never yields to a smaller id it merely heard from."""
 
-    def live(self, now: float) -> set[str]:
-        return (set(self.view) - self.gave_up - self._silent(now)) - {self.me}
+    def candidates(self, now: float) -> set[str]:
+        return set(self.view) - self.gave_up - {self.me}
 
 
 class NoLastProbes(RoundMachine):

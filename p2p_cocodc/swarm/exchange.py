@@ -57,7 +57,8 @@ from p2p_cocodc.swarm.wire import BadMessage, read_frame, transfer_allowance_s, 
 
 log = logging.getLogger(__name__)
 
-MAX_OPEN_ROUNDS = 64  # rounds other peers may open here before this peer reaches them
+MAX_OPEN_ROUNDS = 64  # rounds open at once; beyond it, others' messages for new rounds are refused
+MAX_OPENED_BY_STRANGER = 4  # rounds a peer that is not on our board may open here
 MAX_FINISHED = 4096  # settled rounds remembered, to answer late askers
 MAX_SERVED = 64  # of those, the most recent whose averages are kept for peers that ask
 MESSAGE_TIMEOUT_S = 30.0  # opening a stream and writing one small message
@@ -122,6 +123,7 @@ class FragmentExchange:
         self.sent_once: dict[str, set[tuple[str, str, int, int]]] = {}  # round -> deliveries sent
         self.tasks: set[asyncio.Task[Any]] = set()
         self.view: dict[str, BoardPeer] = {}
+        self.opened_by: dict[str, set[str]] = {}  # peers not on our board -> rounds they opened here
         self.ticker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -290,12 +292,16 @@ class FragmentExchange:
         """Feed one message to its round's machine, opening the round only for a live peer of ours."""
         round_id = message.round_id
         if round_id not in self.open and round_id not in self.finished:
-            if sender not in self.view and sender not in self._board():
-                self._refuse(sender, round_id, "you are not a live peer of this run on my board")
-                return
             if len(self.open) >= MAX_OPEN_ROUNDS:
                 self._refuse(sender, round_id, f"{len(self.open)} rounds are open here already")
                 return
+            if sender not in self.view:  # a newcomer not yet on our board, or a stranger: a few only
+                opened = self.opened_by.setdefault(sender, set())
+                opened &= set(self.open)
+                if len(opened) >= MAX_OPENED_BY_STRANGER:
+                    self._refuse(sender, round_id, "too many open rounds from a peer not on my board")
+                    return
+                opened.add(round_id)
         self._feed(round_id, self._machine(round_id), Received(sender, message))
 
     def _refuse(self, to: str, round_id: str, why: str) -> None:

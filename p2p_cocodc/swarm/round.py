@@ -246,7 +246,8 @@ class Recovery:
     asks: int = 0  # FETCHes sent so far (each carries its number)
     answers: dict[str, tuple[Status, int]] = field(default_factory=dict)  # peer -> (status, ask answered)
     last_final_ask: int = 0  # asks sent before the last answer became final; WAITING must be newer
-    sent: dict[str, float] = field(default_factory=dict)
+    first_asked: dict[str, float] = field(default_factory=dict)  # peer -> when we first asked it
+    heard_from: set[str] = field(default_factory=set)  # peers that have answered a FETCH
 
 
 def short(peer: str) -> str:
@@ -352,11 +353,18 @@ class RoundMachine:
         """Peers that may still take part in a group of this round: present, and not recovering."""
         return self.present(now) - self.gave_up
 
+    def candidates(self, now: float) -> set[str]:
+        """Peers that may lead the round: on the board or recently heard from, not recovering.
+        Silence does not remove a peer here: one that stays on the board may be live behind a
+        broken link, and leading past it could form a second group; a dead one leaves the board."""
+        recent = {p for p, t in self.heard.items() if now - t <= self.deadlines.heard_s}
+        return (set(self.view) | recent) - self.gave_up - {self.me}
+
     def _silent(self, now: float) -> set[str]:
         return {p for p, t in self.silent_since.items() if now - t > self.deadlines.answer_s}
 
     def leader(self, now: float) -> str:
-        return min(self.live(now) | {self.me})
+        return min(self.candidates(now) | {self.me})
 
     def _expect_answer(self, peer: str, now: float) -> None:
         self.silent_since.setdefault(peer, now)
@@ -389,15 +397,22 @@ class RoundMachine:
     def _on_message(self, sender: str, msg: Message, now: float, out: list[Effect]) -> None:
         if sender == self.me:
             return
-        self.heard[sender] = now
         self.silent_since.pop(sender, None)
+        if isinstance(msg, StatusReply) and msg.status == Status.REFUSED:
+            # it refused to open the round (its table of rounds is full): no answer about the round
+            out.append(Note(f"round {self.round_id}: {short(sender)} refused us: {msg.detail}"))
+            return
+        if isinstance(msg, Join | Probe) and msg.fingerprint != self.fingerprint:
+            self._reply_status(out, sender, Status.REFUSED, "your options differ from this run's", now)
+            return  # a peer of another configuration is not a peer of this round
+        self.heard[sender] = now
         if isinstance(msg, Join | Probe):  # Probe is a Join subclass: both ask what we know
             self._on_join(sender, msg, now, out)
         elif isinstance(msg, Leader):
             self.answered_probe[sender] = now
             self.points_to[sender] = msg.leader
             hinted = msg.leader
-            if hinted != self.me and hinted not in self.present(now) and self.phase == Phase.FORMING:
+            if hinted != self.me and hinted not in self.candidates(now) and self.phase == Phase.FORMING:
                 if self._due(Code.PROBE, hinted, now):  # a peer we do not know takes part: ask it
                     self._send(out, hinted, Probe(self.round_id, self.shard, self.fingerprint), now)
         elif isinstance(msg, Part | Result):
@@ -416,9 +431,6 @@ class RoundMachine:
             self._on_status(sender, msg, now, out)
 
     def _on_join(self, sender: str, msg: Join, now: float, out: list[Effect]) -> None:
-        if msg.fingerprint != self.fingerprint:
-            self._reply_status(out, sender, Status.REFUSED, "your options differ from this run's", now)
-            return
         if self.members is not None:
             self._send(out, sender, Group(self.round_id, self.members), now, expect=False)
         elif self.phase == Phase.DONE or self.phase == Phase.RECOVERING:
@@ -437,7 +449,11 @@ class RoundMachine:
             self._recover(now, out, f"member {short(sender)} is in another group of the round")
 
     def _on_delivery(self, sender: str, msg: Part, now: float, out: list[Effect]) -> None:
-        if self.members is None and self.phase in (Phase.IDLE, Phase.FORMING):
+        if self.phase == Phase.IDLE:
+            return  # members send slices only after we joined; stray data is never held (no ACK)
+        if self.vector is not None and len(msg.data) > self.codec.wire_bytes(self.vector.numel()):
+            return  # larger than our whole vector encoded: never held
+        if self.members is None and self.phase == Phase.FORMING:
             self._adopt(msg.members, now, out, f"from a delivery of {short(sender)}")
         if self.members != msg.members:
             if self.members is not None:
@@ -489,21 +505,18 @@ class RoundMachine:
             self._send(out, sender, reply, now, expect=False)
         elif self.outcome is not None or self.phase == Phase.RECOVERING:
             self._reply_settled(out, sender, now, msg.ask)
-        elif self._is_member(self.me) or self.joins:
+        elif self.phase != Phase.IDLE or self._is_member(self.me) or self.joins:
+            # forming (our leader may list us yet), running, or leading: we may still complete
             self._reply_status(out, sender, Status.BUSY, "still in the round", now, msg.ask)
         else:
             self._give_round_up(sender, msg.ask, now, out)
 
     def _give_round_up(self, asker: str, ask: int, now: float, out: list[Effect]) -> None:
-        """Asked for the average with no group and not leading: promise to join no group of the
-        round, ever, so the asker may rely on this WAITING (a group formed later could complete
-        after the asker has failed the round)."""
+        """Asked for the average before reaching the round, with no group and no joiners: promise
+        to join no group of the round, ever, so the asker may rely on this WAITING (a group formed
+        later could complete after the asker has failed the round)."""
         self.gave_round_up = True
-        if self.joined is not None:
-            self._reply_status(out, self.joined, Status.WAITING, "gave the round up", now)
         self._reply_status(out, asker, Status.WAITING, "gave the round up", now, ask)
-        if self.phase == Phase.FORMING:
-            self._recover(now, out, f"{short(asker)} asked us for the average before a group formed")
 
     def _on_status(self, sender: str, msg: StatusReply, now: float, out: list[Effect]) -> None:
         status = msg.status
@@ -513,9 +526,7 @@ class RoundMachine:
         if self.phase == Phase.RECOVERING and self.recovery is not None:
             self._record_answer(sender, status, msg, now)
             return
-        if status == Status.REFUSED:  # it does not know us yet (its board lags): we re-send anyway
-            out.append(Note(f"round {self.round_id}: {short(sender)} refused us: {msg.detail}"))
-        elif status == Status.WAITING:
+        if status == Status.WAITING:
             self.gave_up.add(sender)  # recovering or not in any group: it will not join ours
             self.joins.pop(sender, None)
             if self.phase == Phase.RUNNING and self._is_member(sender):
@@ -723,9 +734,17 @@ class RoundMachine:
         rec = self.recovery
         assert rec is not None
         members = {p for p, _ in self.members or ()}
-        asked = self.present(now)
-        gone = (members | set(rec.answers)) - asked - {self.me}
-        for peer in gone:  # a peer that stopped answering is final, like a FAILED one
+        recent = {p for p, t in self.heard.items() if now - t <= self.deadlines.heard_s}
+        left_board = self.seen_on_board - set(self.view)
+        there = set(self.view) | recent | (members - left_board)  # silence alone is no reason here
+        unanswering = {
+            p
+            for p, t in rec.first_asked.items()
+            if p not in rec.heard_from and now - t > self.deadlines.answer_s
+        }
+        asked = there - unanswering - {self.me}
+        gone = (members | set(rec.answers) | set(rec.first_asked)) - asked - {self.me}
+        for peer in gone:  # a peer that left, or never answered a FETCH, is final like a FAILED one
             if peer in rec.answers and rec.answers[peer][0] in (Status.FAILED, Status.GONE):
                 continue
             rec.answers[peer] = (Status.FAILED, rec.asks)
@@ -740,7 +759,7 @@ class RoundMachine:
             pending.append(peer)
             if self._due(Code.FETCH, peer, now):
                 rec.asks += 1
-                rec.sent[peer] = now
+                rec.first_asked.setdefault(peer, now)
                 self._send(out, peer, Fetch(self.round_id, ask=rec.asks), now)
         if pending or "decode" in self.jobs_out:
             return
@@ -754,6 +773,7 @@ class RoundMachine:
         previous = rec.answers.get(sender)
         if previous is not None and previous[0] in (Status.FAILED, Status.GONE):
             return  # final answers stay final
+        rec.heard_from.add(sender)
         rec.answers[sender] = (status, self._answered_ask(status, msg.ask))
         if status in (Status.FAILED, Status.GONE):
             rec.last_final_ask = rec.asks

@@ -1,0 +1,258 @@
+"""The round machine in scripted schedules: machines on an in-memory network, a fake clock, and
+exactly the faults each test names (views that disagree, lost messages, bad payloads). Each of
+these schedules once split θ̄ or stalled a run in an earlier version of the exchange."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from p2p_cocodc.codecs import get_codec
+from p2p_cocodc.swarm.messages import Code, Message, Part
+from p2p_cocodc.swarm.round import (
+    BoardPeer,
+    Completed,
+    Compute,
+    Deadlines,
+    Failed,
+    Received,
+    RoundMachine,
+    Send,
+    Settle,
+    Start,
+    Tick,
+    ViewChanged,
+    run_job,
+)
+
+DL = Deadlines(round_s=10.0, resend_s=1.0, answer_s=6.0, heard_s=4.0)
+STEP = 5
+
+
+class Net:
+    """Machines of one round; messages are delivered in order unless ``drop`` says otherwise."""
+
+    def __init__(self, views: dict[str, list[str]], codec: str = "fp32") -> None:
+        self.now = 0.0
+        self.codec = get_codec(codec)
+        ids = sorted(views)
+        self.machines = {
+            p: RoundMachine(
+                p,
+                "f0:5",
+                ids.index(p),
+                "fp",
+                self.codec,
+                DL,
+                {q: BoardPeer(STEP, 0.01) for q in views[p]},
+                0.0,
+            )
+            for p in ids
+        }
+        self.queue: deque[tuple[str, str, Message]] = deque()
+        self.outcomes: dict[str, object] = {}
+        self.settled_at: dict[str, float] = {}
+        self.drop: Callable[[str, str, Message], bool] = lambda sender, to, message: False
+        self.sent: list[tuple[str, str, Message]] = []
+
+    def feed(self, peer: str, event: object) -> None:
+        for effect in self.machines[peer].handle(event, self.now):  # type: ignore[arg-type]
+            if isinstance(effect, Send):
+                self.sent.append((peer, effect.to, effect.message))
+                if effect.to in self.machines and not self.drop(peer, effect.to, effect.message):
+                    self.queue.append((peer, effect.to, effect.message))
+            elif isinstance(effect, Compute):
+                self.feed(peer, run_job(effect.job, self.codec))
+            elif isinstance(effect, Settle):
+                self.outcomes[peer] = effect.outcome
+                self.settled_at[peer] = self.now
+
+    def start(self, peer: str, vector: torch.Tensor) -> None:
+        self.feed(peer, Start(STEP, vector))
+        self.deliver()
+
+    def deliver(self) -> None:
+        while self.queue:
+            sender, to, message = self.queue.popleft()
+            self.feed(to, Received(sender, message))
+
+    def run(self, seconds: float, until: Callable[[], bool] = lambda: False) -> None:
+        """Advance the fake clock in 0.25 s ticks, delivering everything sent in between."""
+        end = self.now + seconds
+        while self.now < end and not until():
+            self.now += 0.25
+            for peer in self.machines:
+                self.feed(peer, Tick())
+            self.deliver()
+
+    def settled(self, *peers: str) -> Callable[[], bool]:
+        return lambda: all(p in self.outcomes for p in peers)
+
+
+def full(value: float, n: int = 300) -> torch.Tensor:
+    return torch.full((n,), value)
+
+
+A, B, C = "peer-a", "peer-b", "peer-c"  # A < B < C: A is the leader whenever it is known
+
+
+def test_three_peers_average_in_one_group_with_no_faults() -> None:
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    for peer, value in ((C, 3.0), (B, 2.0), (A, 7.0)):
+        net.start(peer, full(value))
+    net.run(30, net.settled(A, B, C))
+    assert all(isinstance(o, Completed) and o.by_butterfly for o in net.outcomes.values())
+    assert all(torch.equal(o.average, full(4.0)) for o in net.outcomes.values())  # type: ignore[union-attr]
+    assert max(net.settled_at.values()) < DL.form_by(0, 0)  # nobody waited for a deadline
+
+
+def test_a_peer_that_led_alone_unseen_is_followed_not_split_from() -> None:
+    # B does not see A on its board: it leads a group of one and finishes; A, which sees B past the
+    # round's step, probes it, adopts B's group, and takes B's average rather than forming its own
+    net = Net({A: [B], B: []})
+    net.start(B, full(5.0))
+    assert isinstance(net.outcomes[B], Completed)
+    net.start(A, full(1.0))
+    net.run(30, net.settled(A))
+    assert torch.equal(net.outcomes[A].average, full(5.0))  # type: ignore[union-attr]
+    assert net.outcomes[A].by_butterfly is False  # type: ignore[union-attr]
+
+
+def test_a_peer_that_hears_from_a_smaller_unseen_id_yields_the_lead_to_it() -> None:
+    # B sees only itself, but A (smaller, sees both) reaches the round first and probes B: B hears
+    # from A, takes it for the leader, and joins it; one group of both, the true mean
+    net = Net({A: [B], B: []})
+    net.start(A, full(1.0))
+    net.run(0.5)
+    net.start(B, full(5.0))
+    net.run(30, net.settled(A, B))
+    assert all(torch.equal(o.average, full(3.0)) for o in net.outcomes.values())  # type: ignore[union-attr]
+
+
+def test_a_leader_yields_to_a_smaller_id_it_hears_from_and_redirects_its_joiners() -> None:
+    # B and C do not see A: B leads, C joins B; A starts late, sees everyone, probes them
+    net = Net({A: [B, C], B: [C], C: [B]})
+    net.start(C, full(3.0))
+    net.run(0.5)
+    net.start(B, full(6.0))  # B's group would form at once with C if A were not heard first
+    net.start(A, full(0.0))
+    net.run(30, net.settled(A, B, C))
+    averages = [o.average for o in net.outcomes.values()]  # type: ignore[union-attr]
+    assert all(torch.equal(a, averages[0]) for a in averages)
+    groups = {o.members for o in net.outcomes.values() if o.by_butterfly}  # type: ignore[union-attr]
+    assert len(groups) == 1
+
+
+def test_a_peer_whose_joins_are_lost_takes_the_average_its_leader_formed_without_it() -> None:
+    # every JOIN of B to A is lost: A probes B (B is at the round), B answers that A leads, so A
+    # forms without B at its deadline; B never hears the group, gives up joining at its patience
+    # and asks for the average. B must neither lead a group of its own (A stays on its board,
+    # silent or not) nor fail what A applied
+    net = Net({A: [B], B: [A]})
+    net.drop = lambda sender, to, message: message.code == Code.JOIN
+    net.start(A, full(4.0))
+    net.start(B, full(8.0))
+    net.run(60, net.settled(A, B))
+    assert torch.equal(net.outcomes[A].average, full(4.0))  # type: ignore[union-attr]
+    assert torch.equal(net.outcomes[B].average, full(4.0))  # type: ignore[union-attr]
+    assert net.settled_at[A] <= DL.form_by(0, 0) + 2 * DL.resend_s
+    assert net.settled_at[B] <= DL.join_patience(0, 0) + 2 * DL.resend_s
+
+
+def test_a_round_a_live_peer_has_failed_fails_on_the_leader_too() -> None:
+    # B reaches the round long before its leader A, gives it up and fails it (A promised not to join
+    # a group when B asked); when A gets there it must not average alone what B never applies
+    net = Net({A: [B], B: [A]})
+    net.start(B, torch.ones(300))
+    net.run(60, net.settled(B))
+    assert isinstance(net.outcomes[B], Failed)
+    net.start(A, torch.ones(300))
+    net.run(60, net.settled(A))
+    assert isinstance(net.outcomes[A], Failed)
+
+
+def test_a_member_missing_an_averaged_slice_takes_the_average_another_member_completed() -> None:
+    # B's averaged slice never reaches A (B died halfway through sending it, say): A recovers and
+    # takes B's completed average, bit for bit; without it A would fail what B applied
+    net = Net({A: [B], B: [A]})
+    net.drop = lambda sender, to, message: sender == B and message.code == Code.RESULT
+    net.start(A, full(1.0, 700))
+    net.start(B, full(4.0, 700))
+    net.run(60, net.settled(A, B))
+    assert net.outcomes[B].by_butterfly and not net.outcomes[A].by_butterfly  # type: ignore[union-attr]
+    assert torch.equal(net.outcomes[A].average, full(2.5, 700))  # type: ignore[union-attr]
+    assert torch.equal(net.outcomes[B].average, full(2.5, 700))  # type: ignore[union-attr]
+
+
+def test_a_round_no_member_completed_fails_on_every_member() -> None:
+    net = Net({A: [B], B: [A]})
+    net.drop = lambda sender, to, message: message.code == Code.RESULT
+    net.start(A, torch.ones(300))
+    net.start(B, torch.ones(300))
+    net.run(60, net.settled(A, B))
+    assert all(isinstance(o, Failed) for o in net.outcomes.values()), net.outcomes
+    assert all("no peer holds the round's average" in o.reason for o in net.outcomes.values())  # type: ignore[union-attr]
+
+
+def test_a_non_finite_payload_fails_the_round_on_every_member() -> None:
+    net = Net({A: [B], B: [A]})
+    poisoned = torch.ones(300)
+    poisoned[7] = math.nan
+    net.start(A, torch.ones(300))
+    net.start(B, poisoned)
+    net.run(60, net.settled(A, B))
+    assert all(isinstance(o, Failed) for o in net.outcomes.values()), net.outcomes
+    assert any("NaN" in o.reason for o in net.outcomes.values())  # type: ignore[union-attr]
+
+
+def test_a_slice_of_the_wrong_size_fails_the_round_on_every_member() -> None:
+    net = Net({A: [B], B: [A]})
+    original = net.machines[B].handle
+
+    def lying(event, now):  # B announces one value fewer in every slice it sends
+        effects = original(event, now)
+        return [
+            Send(
+                e.to,
+                Part(
+                    e.message.round_id,
+                    e.message.members,
+                    e.message.index,
+                    e.message.numel - 1,
+                    e.message.data,
+                ),
+            )
+            if isinstance(e, Send) and type(e.message) is Part
+            else e
+            for e in effects
+        ]
+
+    net.machines[B].handle = lying  # type: ignore[method-assign]
+    net.start(A, torch.ones(300))
+    net.start(B, torch.ones(300))
+    net.run(60, net.settled(A, B))
+    assert all(isinstance(o, Failed) for o in net.outcomes.values()), net.outcomes
+
+
+def test_a_round_this_peer_has_not_reached_holds_no_stray_payload() -> None:
+    net = Net({A: [B], B: [A]})
+    members = ((A, 0), (B, 1))
+    net.feed(A, Received(B, Part("f0:5", members, 0, 300, b"\x00" * 1200)))
+    assert net.machines[A].parts == {} and not net.sent  # nothing held, nothing acknowledged
+
+
+def test_a_crashed_member_is_given_up_when_it_leaves_the_board_not_at_the_deadline() -> None:
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    net.drop = lambda sender, to, message: C in (sender, to) and message.code in (Code.PART, Code.RESULT)
+    for peer in (A, B, C):
+        net.start(peer, full(1.0))
+    net.run(2)
+    del net.machines[C]  # C crashed; its record lapses from the survivors' boards
+    for peer in (A, B):
+        net.feed(peer, ViewChanged({q: v for q, v in net.machines[peer].view.items() if q != C}))
+    net.run(60, net.settled(A, B))
+    assert all(isinstance(net.outcomes[p], Failed) for p in (A, B))
+    assert max(net.settled_at[p] for p in (A, B)) < DL.allreduce_by(0, 0)
