@@ -281,7 +281,9 @@ class World:
         if state == self.checked_state:
             return None
         self.checked_state = state
-        completed = {p: o for p, o in self.outcomes.items() if isinstance(o, Completed)}
+        # over live peers: a peer that completes and then dies takes its outcome with it (a peer
+        # that copied its average before it died is live and is checked)
+        completed = {p: o for p, o in self.outcomes.items() if isinstance(o, Completed) and p not in self.dead}
         groups = {o.members for o in completed.values() if o.by_butterfly}
         if len(groups) > 1:
             return f"two groups completed the round: {groups}"

@@ -44,6 +44,7 @@ from p2p_cocodc.swarm.round import (
     Failed,
     Lost,
     Note,
+    Phase,
     Received,
     RoundMachine,
     Send,
@@ -57,8 +58,8 @@ from p2p_cocodc.swarm.wire import BadMessage, read_frame, transfer_allowance_s, 
 
 log = logging.getLogger(__name__)
 
-MAX_OPEN_ROUNDS = 64  # rounds open at once; beyond it, others' messages for new rounds are refused
-MAX_OPENED_BY_STRANGER = 4  # rounds a peer that is not on our board may open here
+MAX_OPEN_ROUNDS = 64  # rounds others may open here before this peer reaches them; then refused
+MAX_OPENED_BY_STRANGER = 4  # of those, rounds a peer that is not on our board may open
 MAX_FINISHED = 4096  # settled rounds remembered, to answer late askers
 MAX_SERVED = 64  # of those, the most recent whose averages are kept for peers that ask
 MESSAGE_TIMEOUT_S = 30.0  # opening a stream and writing one small message
@@ -80,6 +81,8 @@ class ExchangeStats:
     bytes_resent: int = 0  # the same deliveries sent again after a lost or unacknowledged copy
     rounds_done: int = 0
     rounds_failed: int = 0
+    messages_received: int = 0  # frames from other peers, well-formed or not
+    messages_rejected: int = 0  # of those, malformed ones (logged and dropped)
     bandwidth_mbps: float = 0.0  # moving average of measured send throughput
 
     def record_send(self, num_bytes: int, seconds: float) -> None:
@@ -124,6 +127,7 @@ class FragmentExchange:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.view: dict[str, BoardPeer] = {}
         self.opened_by: dict[str, set[str]] = {}  # peers not on our board -> rounds they opened here
+        self.promised: OrderedDict[str, bool] = OrderedDict()  # expired rounds we promised to stay out of
         self.ticker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -181,8 +185,6 @@ class FragmentExchange:
     def _machine(self, round_id: str) -> RoundMachine:
         machine = self.open.get(round_id) or self.finished.get(round_id)
         if machine is None:
-            if len(self.open) >= MAX_OPEN_ROUNDS:  # our own rounds are few; strays are refused
-                raise RoundFailed(f"{len(self.open)} rounds are open here already")
             machine = RoundMachine(
                 self.peer_id,
                 round_id,
@@ -193,8 +195,13 @@ class FragmentExchange:
                 self.view,
                 time.monotonic(),
             )
+            machine.gave_round_up = round_id in self.promised
             self.open[round_id] = machine
         return machine
+
+    def _not_reached(self) -> list[str]:
+        """Open rounds other peers opened here that this peer has not reached."""
+        return [r for r, m in self.open.items() if m.phase == Phase.IDLE]
 
     def _feed(self, round_id: str, machine: RoundMachine, event: Event) -> None:
         for effect in machine.handle(event, time.monotonic()):
@@ -214,6 +221,8 @@ class FragmentExchange:
     def _finish(self, round_id: str, machine: RoundMachine) -> None:
         del self.open[round_id]
         self.sent_once.pop(round_id, None)
+        for peer in [p for p, rounds in self.opened_by.items() if not rounds & set(self._not_reached())]:
+            del self.opened_by[peer]
         self.finished[round_id] = machine
         if len(self.finished) > MAX_FINISHED:
             self.finished.popitem(last=False)
@@ -231,6 +240,15 @@ class FragmentExchange:
             view = self._board()
             changed = view != self.view
             self.view = view
+            now = time.monotonic()
+            for round_id in self._not_reached():  # never reached here: a stray, or long over
+                machine = self.open[round_id]
+                if now - machine.created_at > self.deadlines.idle_expiry_s():
+                    del self.open[round_id]
+                    if machine.gave_round_up:  # the promise outlives the machine
+                        self.promised[round_id] = True
+                        if len(self.promised) > MAX_FINISHED:
+                            self.promised.popitem(last=False)
             for round_id, machine in list(self.open.items()):
                 if changed:
                     self._feed(round_id, machine, ViewChanged(view))
@@ -283,8 +301,10 @@ class FragmentExchange:
             message = parse_message(await read_frame(reader, MESSAGE_TIMEOUT_S))
         except BadMessage as exc:
             log.warning("bad message from %s: %s", sender[:12], exc)
+            self.stats.messages_rejected += 1
             return
         finally:
+            self.stats.messages_received += 1
             writer.close()
         self.receive(sender, message)
 
@@ -292,12 +312,12 @@ class FragmentExchange:
         """Feed one message to its round's machine, opening the round only for a live peer of ours."""
         round_id = message.round_id
         if round_id not in self.open and round_id not in self.finished:
-            if len(self.open) >= MAX_OPEN_ROUNDS:
-                self._refuse(sender, round_id, f"{len(self.open)} rounds are open here already")
+            if len(self._not_reached()) >= MAX_OPEN_ROUNDS:
+                self._refuse(sender, round_id, f"{MAX_OPEN_ROUNDS} rounds opened by others are open here")
                 return
             if sender not in self.view:  # a newcomer not yet on our board, or a stranger: a few only
                 opened = self.opened_by.setdefault(sender, set())
-                opened &= set(self.open)
+                opened &= set(self._not_reached())
                 if len(opened) >= MAX_OPENED_BY_STRANGER:
                     self._refuse(sender, round_id, "too many open rounds from a peer not on my board")
                     return

@@ -101,6 +101,10 @@ class Deadlines:
         """The butterfly completes by then, or the member recovers."""
         return adopted + self.round_s + 2.0 * self.transfer_s(wire_bytes)
 
+    def idle_expiry_s(self) -> float:
+        """A round others opened here that this peer never reaches is forgotten after this."""
+        return 2 * self.round_s + 2 * self.answer_s
+
     def settle_by(self, started: float, eta_s: float, wire_bytes: int) -> float:
         """With no faults, every peer has settled the round by then (the model check asserts it)."""
         return self.allreduce_by(self.join_patience(started, eta_s), wire_bytes) + self.answer_s
@@ -246,8 +250,7 @@ class Recovery:
     asks: int = 0  # FETCHes sent so far (each carries its number)
     answers: dict[str, tuple[Status, int]] = field(default_factory=dict)  # peer -> (status, ask answered)
     last_final_ask: int = 0  # asks sent before the last answer became final; WAITING must be newer
-    first_asked: dict[str, float] = field(default_factory=dict)  # peer -> when we first asked it
-    heard_from: set[str] = field(default_factory=set)  # peers that have answered a FETCH
+    unanswered_since: dict[str, float] = field(default_factory=dict)  # peer -> oldest FETCH it owes
 
 
 def short(peer: str) -> str:
@@ -279,6 +282,7 @@ class RoundMachine:
         self.phase = Phase.IDLE
         self.step: int | None = None
         self.vector: torch.Tensor | None = None
+        self.created_at = now
         self.started_at = now
         self.eta_s = 0.0
         # who is live for this round
@@ -582,7 +586,7 @@ class RoundMachine:
         if leader != self.me:
             if self.joins.keys() - {self.me}:  # we led, but a smaller live id is known: yield to it
                 out.append(Note(f"round {self.round_id}: yielding the lead to {short(leader)}"))
-                for peer in self.joins.keys() - {self.me}:
+                for peer in sorted(self.joins.keys() - {self.me}):
                     self._send(out, peer, Leader(self.round_id, leader), now, expect=False)
             self.joins = {}
             self.closing_since = None
@@ -600,14 +604,14 @@ class RoundMachine:
             return
         assert self.step is not None
         overdue = {p for p in missing if p not in self.view or self.view[p].step >= self.step}
-        for peer in overdue:  # it is past the round, or unseen on the board: ask what it knows
+        for peer in sorted(overdue):  # it is past the round, or unseen on the board: ask what it knows
             if self._due(Code.PROBE, peer, now, 2 * self.deadlines.resend_s):
                 self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
         if now < self.deadlines.form_by(self.started_at, self.eta_s):
             return
         if self.closing_since is None:  # the deadline: a last probe of every missing peer
             self.closing_since = now
-            for peer in missing:
+            for peer in sorted(missing):
                 self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
         if self._last_probes_answered(missing, now, out):  # no missing peer is coming: form without
             out.append(Note(f"round {self.round_id}: forms without {sorted(short(p) for p in missing)}"))
@@ -626,7 +630,7 @@ class RoundMachine:
             for h in hinted
             if h is not None and h not in self._silent(now) and self.answered_probe.get(h, -1.0) < since
         }
-        for peer in unanswered:
+        for peer in sorted(unanswered):
             if self._due(Code.PROBE, peer, now):
                 self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
         return not unanswered
@@ -640,7 +644,7 @@ class RoundMachine:
         self.members = members
         self.adopted_at = now
         out.append(Note(f"round {self.round_id}: group {[f'{short(p)}:{s}' for p, s in members]} ({how})"))
-        for peer in set(self.joins) - {self.me}:  # our joiners learn it from us
+        for peer in sorted(set(self.joins) - {self.me}):  # our joiners learn it from us
             self._send(out, peer, Group(self.round_id, members), now, expect=False)
         self.joins = {}
         if self.phase == Phase.FORMING:
@@ -737,14 +741,10 @@ class RoundMachine:
         recent = {p for p, t in self.heard.items() if now - t <= self.deadlines.heard_s}
         left_board = self.seen_on_board - set(self.view)
         there = set(self.view) | recent | (members - left_board)  # silence alone is no reason here
-        unanswering = {
-            p
-            for p, t in rec.first_asked.items()
-            if p not in rec.heard_from and now - t > self.deadlines.answer_s
-        }
-        asked = there - unanswering - {self.me}
-        gone = (members | set(rec.answers) | set(rec.first_asked)) - asked - {self.me}
-        for peer in gone:  # a peer that left, or never answered a FETCH, is final like a FAILED one
+        silent = {p for p, t in rec.unanswered_since.items() if now - t > self.deadlines.answer_s}
+        asked = there - silent - {self.me}
+        gone = (members | set(rec.answers) | set(rec.unanswered_since)) - asked - {self.me}
+        for peer in sorted(gone):  # a peer that left, or never answered a FETCH, is final like a FAILED one
             if peer in rec.answers and rec.answers[peer][0] in (Status.FAILED, Status.GONE):
                 continue
             rec.answers[peer] = (Status.FAILED, rec.asks)
@@ -759,7 +759,7 @@ class RoundMachine:
             pending.append(peer)
             if self._due(Code.FETCH, peer, now):
                 rec.asks += 1
-                rec.first_asked.setdefault(peer, now)
+                rec.unanswered_since.setdefault(peer, now)
                 self._send(out, peer, Fetch(self.round_id, ask=rec.asks), now)
         if pending or "decode" in self.jobs_out:
             return
@@ -773,7 +773,7 @@ class RoundMachine:
         previous = rec.answers.get(sender)
         if previous is not None and previous[0] in (Status.FAILED, Status.GONE):
             return  # final answers stay final
-        rec.heard_from.add(sender)
+        rec.unanswered_since.pop(sender, None)
         rec.answers[sender] = (status, self._answered_ask(status, msg.ask))
         if status in (Status.FAILED, Status.GONE):
             rec.last_final_ask = rec.asks
