@@ -27,13 +27,14 @@ from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import RunLog
 from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
-from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed
+from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 from p2p_cocodc.training import TrainingSetup, summary_record
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0  # on SIGINT/SIGTERM, how long syncs in flight may still take
+FAILING_STREAK = 3  # this many syncs of every fragment failing in a row: the swarm is not syncing
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class Peer:
         self.eval_s = 0.0  # evaluation time, kept out of the training throughput
         self.versions = [0] * len(self.strategy.fragments) if isinstance(self.strategy, Strategy) else [0]
         self.pending: dict[int, asyncio.Task[torch.Tensor]] = {}
+        self.failed_in_a_row = 0  # syncs that failed since the last one that completed
         self.shard_index: int | None = opts.shard[0] if opts.shard else None
         self.exchange: FragmentExchange | None = None
         self.heartbeat: asyncio.Task[None] | None = None
@@ -189,7 +191,13 @@ class Peer:
             self.state = "training"
             await self._refresh(board)
             await self._wait_for_start(stop)
-            summary = await self._train(log_file, stop, progress)
+            leave = asyncio.create_task(self._leave_when(stop, board))
+            try:
+                summary = await self._train(log_file, stop, progress)
+            finally:
+                if stop.is_set():  # the others must read "leaving" before anything else
+                    await asyncio.wait({leave}, timeout=board.timeout)
+                leave.cancel()
             self.state = "done"
             try:
                 await self._refresh(board)
@@ -210,6 +218,16 @@ class Peer:
             stop_dht(dht, daemon_socket)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+    async def _leave_when(self, stop: asyncio.Event, board: Board) -> None:
+        """On SIGINT/SIGTERM, say so on the board at once: new rounds form without this peer (not
+        after its record lapses), while the rounds it is in still complete."""
+        await stop.wait()
+        self.state = "leaving"
+        try:
+            await self._refresh(board)
+        except ConnectionError as exc:
+            log.warning("could not announce leaving on the board: %s", exc)
 
     def _record(self) -> PeerRecord:
         ex = self.exchange
@@ -348,9 +366,10 @@ class Peer:
             self.step_time_s = elapsed if step == 1 else 0.9 * self.step_time_s + 0.1 * elapsed
             self.step = step
             if isinstance(self.strategy, Strategy):
-                await self._apply_due(step)
-                self._send(step)
-                await self._apply_due(step)
+                await self._apply_due(step, stop)
+                if not stop.is_set():
+                    self._send(step)
+                    await self._apply_due(step, stop)
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last = await self._evaluate(step, started, train_losses, log_file)
             if progress is not None:
@@ -389,6 +408,11 @@ class Peer:
             started = time.perf_counter()
             try:
                 averaged = await self.exchange.allreduce(f"g:{step}", self.strategy.gradient_payload(), step)
+            except RoundLost as exc:
+                raise UserError(
+                    f"the swarm averaged the gradients of step {step} without this peer and that average "
+                    f"is gone ({exc}); this peer's model is no longer the swarm's, so it stops"
+                ) from None
             except RoundFailed as exc:
                 log.warning("gradient all-reduce of step %d failed (%s); step skipped", step, exc)
                 return loss
@@ -406,21 +430,49 @@ class Peer:
             payload = self.strategy.payload(p, step)
             self.pending[p] = asyncio.create_task(self.exchange.allreduce(f"f{p}:{step}", payload, step))
 
-    async def _apply_due(self, step: int) -> None:
+    async def _apply_due(self, step: int, stop: asyncio.Event) -> None:
         assert isinstance(self.strategy, Strategy)
         for p in self.strategy.due(step):
-            task = self.pending.pop(p)
+            task = self.pending[p]
             waited = time.perf_counter()
-            try:
-                averaged = await task
-            except RoundFailed as exc:
-                log.warning("sync of fragment %d after step %d failed (%s); skipped", p, step, exc)
-                self.strategy.abandon(p)
-                continue
+            stopping = asyncio.ensure_future(stop.wait())
+            try:  # a signal is honoured while a sync is still running: the run ends here
+                await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
             finally:
+                stopping.cancel()
                 self.stall_s += time.perf_counter() - waited
+            if not task.done():
+                return
+            del self.pending[p]
+            try:
+                averaged = task.result()
+            except RoundFailed as exc:
+                self._sync_failed(p, step, exc)
+                continue
+            self.failed_in_a_row = 0
             self.strategy.apply(p, averaged, step)
             self.versions[p] += 1
+
+    def _sync_failed(self, p: int, step: int, exc: RoundFailed) -> None:
+        """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one
+        the others completed without us (``RoundLost``) would leave θ̄ behind theirs, so the run
+        stops; and syncs that keep failing mean this peer is not training with a swarm."""
+        if isinstance(exc, RoundLost):
+            raise UserError(
+                f"the swarm completed the sync of fragment {p} after step {step} without this peer, and "
+                f"its average is no longer kept ({exc}); this peer's θ̄ is no longer the swarm's, so it "
+                "stops (was it stopped or cut off for minutes?)"
+            )
+        log.warning("sync of fragment %d after step %d failed on every peer (%s); skipped", p, step, exc)
+        assert isinstance(self.strategy, Strategy)
+        self.strategy.abandon(p)
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row >= FAILING_STREAK * len(self.strategy.fragments):
+            raise UserError(
+                f"the last {self.failed_in_a_row} syncs all failed (last: {exc}); this peer is not "
+                "training with the swarm. Check that the other peers are reachable (--announce, "
+                "firewall) and alive (the bootstrap's /status)"
+            )
 
     async def _finish_in_flight(self, timeout: float) -> None:
         """Let the syncs still running finish (the other peers need our slices); apply none of

@@ -283,7 +283,9 @@ class World:
         self.checked_state = state
         # over live peers: a peer that completes and then dies takes its outcome with it (a peer
         # that copied its average before it died is live and is checked)
-        completed = {p: o for p, o in self.outcomes.items() if isinstance(o, Completed) and p not in self.dead}
+        completed = {
+            p: o for p, o in self.outcomes.items() if isinstance(o, Completed) and p not in self.dead
+        }
         groups = {o.members for o in completed.values() if o.by_butterfly}
         if len(groups) > 1:
             return f"two groups completed the round: {groups}"

@@ -175,6 +175,38 @@ def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(
     assert all(s["rounds_done"] >= 16 and s["final_val_ppl"] < s["initial_val_ppl"] * 0.8 for s in summaries)
 
 
+def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
+    """The round leader is stopped with SIGTERM mid-run: it says "leaving" on the board at once,
+    finishes the rounds it is in, and exits 0; the others form later rounds without it at once
+    (not after its record lapses) and end with the same θ̄."""
+    boot = start_bootstrap(tmp_path)
+    peers = []
+    try:
+        for i in range(3):
+            args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "96"]
+            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "leave", "--verbose"]
+            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
+        outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
+        wait_for(lambda: all(o.exists() and len(records(o)) >= 3 for o in outs), 120, "training")
+        leaver = round_leader_shard(boot.host_port, "leave")
+        stayers = [i for i in range(3) if i != leaver]
+        peers[leaver].send_signal(signal.SIGTERM)
+        assert peers[leaver].wait(timeout=60) == 0, (tmp_path / f"peer{leaver}.log").read_text()[-3000:]
+        for i in stayers:
+            assert peers[i].wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
+    finally:
+        for proc in [*peers, boot.proc]:
+            end_group(proc)
+
+    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in stayers]
+    logs = "\n".join((tmp_path / f"peer{i}.log").read_text()[-6000:] for i in stayers)
+    assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"], logs
+    assert all(s["steps"] == 96 and s["rounds_done"] >= 16 for s in summaries)
+    assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 1, logs
+    # nobody waited for the leaver's record to lapse (8 s) and then for a round's deadline
+    assert all(s["stall_s"] < 8.0 for s in summaries), [s["stall_s"] for s in summaries]
+
+
 def test_killed_peer_leaves_no_process_behind(tmp_path: Path) -> None:
     boot = start_bootstrap(tmp_path)
     peer = spawn(["join", "--bootstrap", boot.maddr, *TINY, "--workers", "2"], tmp_path, "peer.log")

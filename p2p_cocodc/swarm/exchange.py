@@ -136,12 +136,13 @@ class FragmentExchange:
         self.ticker = asyncio.create_task(self._tick())
 
     async def stop(self) -> None:
-        """Stop serving once the messages being written have gone out (the last peer to finish a
-        round still needs our acknowledgements)."""
+        """Stop serving once the rounds this peer took part in are settled and delivered, or after
+        ``STOP_GRACE_S``: the other members still need our slices and acknowledgements."""
+        grace_ends = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < grace_ends and (self.sending or self._owing()):
+            await asyncio.sleep(0.05)
         if self.ticker is not None:
             self.ticker.cancel()
-        if self.sending:
-            await asyncio.wait(list(self.sending.values()), timeout=STOP_GRACE_S)
         for task in list(self.tasks):
             task.cancel()
         try:
@@ -177,9 +178,16 @@ class FragmentExchange:
 
     def _board(self) -> dict[str, BoardPeer]:
         return {
-            peer: BoardPeer(record.step, record.step_time_s)
+            peer: BoardPeer(
+                record.step,
+                record.step_time_s,
+                leaving=record.state == "leaving",
+                done=record.state == "done",
+            )
             for peer, record in self.board_view().items()
-            if record.state == "training" and record.fingerprint == self.fingerprint and peer != self.peer_id
+            if record.state in ("training", "leaving", "done")
+            and record.fingerprint == self.fingerprint
+            and peer != self.peer_id
         }
 
     def _machine(self, round_id: str) -> RoundMachine:
@@ -198,6 +206,11 @@ class FragmentExchange:
             machine.gave_round_up = round_id in self.promised
             self.open[round_id] = machine
         return machine
+
+    def _owing(self) -> list[str]:
+        """Rounds this peer reached that are not settled, or whose results are not yet delivered."""
+        now = time.monotonic()
+        return [r for r, m in self.open.items() if m.phase != Phase.IDLE and not m.quiescent(now)]
 
     def _not_reached(self) -> list[str]:
         """Open rounds other peers opened here that this peer has not reached."""

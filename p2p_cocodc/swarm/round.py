@@ -116,6 +116,8 @@ class BoardPeer:
 
     step: int
     step_time_s: float
+    leaving: bool = False  # it said it is stopping: it finishes its rounds but joins no new group
+    done: bool = False  # it has finished (or left) the run: off the board for good
 
 
 # ---- events ----
@@ -277,8 +279,10 @@ class RoundMachine:
         self.fingerprint = fingerprint
         self.codec = codec
         self.deadlines = deadlines
-        self.view = dict(view)
-        self.seen_on_board = set(self.view)  # a member that has left the board is gone
+        self.view: dict[str, BoardPeer] = {}
+        self.seen_on_board: set[str] = set()  # a member that has left the board is gone
+        self.departed: set[str] = set()  # said it is leaving or done: never a candidate again
+        self._see(view)
         self.phase = Phase.IDLE
         self.step: int | None = None
         self.vector: torch.Tensor | None = None
@@ -319,9 +323,7 @@ class RoundMachine:
         elif isinstance(event, Received):
             self._on_message(event.sender, event.message, now, out)
         elif isinstance(event, ViewChanged):
-            self.view = dict(event.view)
-            self.view.pop(self.me, None)
-            self.seen_on_board |= set(self.view)
+            self._see(event.view)
         elif isinstance(event, Computed):
             self._on_computed(event, now, out)
         self._advance(now, out)
@@ -354,15 +356,23 @@ class RoundMachine:
         return (set(self.view) | recent | members) - self._silent(now) - {self.me}
 
     def live(self, now: float) -> set[str]:
-        """Peers that may still take part in a group of this round: present, and not recovering."""
-        return self.present(now) - self.gave_up
+        """Peers that may still take part in a group of this round: present, and neither
+        recovering nor leaving the run."""
+        return self.present(now) - self.gave_up - self.departed
+
+    def _see(self, view: Mapping[str, BoardPeer]) -> None:
+        """A new view of the board: peers that said they are leaving or done stay departed (one that
+        messaged us recently must not become a leader candidate again once its record is gone)."""
+        self.departed |= {p for p, seen in view.items() if seen.leaving or seen.done}
+        self.view = {p: seen for p, seen in view.items() if not seen.done and p != self.me}
+        self.seen_on_board |= set(self.view)
 
     def candidates(self, now: float) -> set[str]:
         """Peers that may lead the round: on the board or recently heard from, not recovering.
         Silence does not remove a peer here: one that stays on the board may be live behind a
         broken link, and leading past it could form a second group; a dead one leaves the board."""
         recent = {p for p, t in self.heard.items() if now - t <= self.deadlines.heard_s}
-        return (set(self.view) | recent) - self.gave_up - {self.me}
+        return (set(self.view) | recent) - self.gave_up - self.departed - {self.me}
 
     def _silent(self, now: float) -> set[str]:
         return {p for p, t in self.silent_since.items() if now - t > self.deadlines.answer_s}
