@@ -1,0 +1,461 @@
+"""Thin links: a real swarm (a bootstrap and three CoCoDC peers) over links shaped to a few Mbit/s.
+
+Needs root (Linux network namespaces; see tests/netns.py). Each run builds its own network: a switch
+namespace holding a bridge and the bootstrap (on the switch's address, 10.213.0.254), and one
+namespace per peer (10.213.0.1-3), each joined to the bridge by a veth pair shaped with tbf to
+``--mbps`` Mbit/s in each direction. Nothing runs on the host's interfaces; everything is removed
+at the end, and a run that passes ``--timeout`` has all its processes ended.
+
+The peers train the ``small`` preset on bytes (3.24 M parameters, 13 MB in fp32, 4 fragments of
+about 3.2 MB: one fragment's all-reduce sends about 4.3 MB from each peer and receives as much).
+Per peer the report gives the exit code, the final θ̄ hash, stall, rounds done and failed, wall
+time, the last step the bootstrap saw it at, the warnings it logged and its last log lines; and
+whether all hashes agree. While the peers run, the benchmark samples every second each peer's TCP
+sockets (``ss``: bytes queued to send, smoothed RTT), polls the bootstrap's /status every 2 s and,
+at the end, reads tbf's counters (bytes sent, drops). ``--dht-probe`` adds a bystander DHT node in
+peer 0's namespace that times a store and a get every 2 s: the same shaped link as peer 0, but its
+own libp2p connections, so it tells the link's delay apart from delay inside the peers' connections.
+
+    python benchmarks/thin_link.py --mbps 10 --mbps 2 --steps 192 --dht-probe   # 5-12 minutes
+    python benchmarks/thin_link.py --mbps 2 --steps 48 --timeout 300 --workdir runs/thin
+
+Every line a peer prints is kept in WORKDIR/RATE/peerI.log, prefixed with seconds since the peers
+were started (likewise bootstrap.log, status.log, dht_probe.log; samples.jsonl holds the socket
+samples); the results go to WORKDIR/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.netns import ThinNet, tcp_throughput, thin_network  # noqa: E402
+
+CLI = [sys.executable, "-m", "p2p_cocodc"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+PEERS = 3
+BOOT_PORT, STATUS_PORT = 31337, 31338  # inside the switch namespace: nothing else listens there
+
+
+# Polls the bootstrap's /status every 2 s from the switch namespace: one line of JSON per answer.
+STATUS_POLL = """
+import json, sys, time, urllib.request
+while True:
+    try:
+        with urllib.request.urlopen(sys.argv[1], timeout=5) as reply:
+            print(json.dumps(json.load(reply)), flush=True)
+    except Exception as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+    time.sleep(2)
+"""
+
+
+# A bystander DHT node (client mode: nobody stores on it) in a peer's namespace: the same link, but its
+# own libp2p connections. It times a store and a get(latest) like a peer's heartbeat, every 2 s.
+DHT_PROBE = """
+import json, signal, sys, time
+import hivemind
+from hivemind.utils import get_dht_time
+maddrs, host, key = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+dht = hivemind.DHT(initial_peers=maddrs, host_maddrs=[f"/ip4/{host}/tcp/0"], nat_port_map=False,
+                   client_mode=True, start=True)
+try:
+    while True:
+        row = {"t": time.time()}
+        for what in ("store", "get"):
+            start = time.monotonic()
+            if what == "store":
+                fut = dht.store("p2p-cocodc.thin-probe", {"at": start}, get_dht_time() + 10,
+                                subkey=str(dht.peer_id), return_future=True)
+            else:
+                fut = dht.get(key, latest=True, return_future=True)
+            try:
+                found = fut.result(timeout=60)
+                row[what + "_s"] = round(time.monotonic() - start, 3)
+                if what == "get":
+                    row["peers_on_board"] = len(found.value) if found is not None else 0
+            except Exception as exc:
+                row[what + "_s"], row[what + "_error"] = round(time.monotonic() - start, 3), repr(exc)
+        print(json.dumps(row), flush=True)
+        time.sleep(2)
+finally:
+    dht.shutdown()
+"""
+
+
+def training_options(args: argparse.Namespace) -> list[str]:
+    return [
+        "--algo", args.algo, "--model", "small", "--tokenizer", "byte", "--seq-len", "64",
+        "--batch-size", "4", "--workers", str(PEERS), "--steps", str(args.steps),
+        "--inner-steps", "24", "--fragments", "4", "--overlap", "12", "--eval-every", "24",
+        "--eval-batches", "2", "--threads", "1", "--codec", args.codec, "--quiet",
+    ]  # fmt: skip
+
+
+class Logged:
+    """A process whose output lines go to a file, each prefixed with seconds since ``t0``."""
+
+    def __init__(self, net: ThinNet, where: str, argv: list[str], log: Path, t0: float) -> None:
+        self.log = log
+        self.proc = net.popen_in(
+            where, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
+        )
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self.killed = False  # still running after SIGTERM and its grace: SIGKILLed
+        self._pump = threading.Thread(target=self._copy, args=(t0,), daemon=True)
+        self._pump.start()
+
+    def _copy(self, t0: float) -> None:
+        with open(self.log, "w") as out:
+            for raw in self.proc.stdout:  # type: ignore[union-attr]
+                out.write(f"[{time.monotonic() - t0:7.1f}s] {raw.decode(errors='replace')}")
+                out.flush()
+
+    def poll(self) -> int | None:
+        code = self.proc.poll()
+        if code is not None and self.ended is None:
+            self.ended = time.monotonic()
+        return code
+
+
+def end_all(procs: list[Logged], grace_s: float = 30.0) -> None:
+    """SIGTERM to every main process at once (each shuts hivemind down), SIGKILL to the process
+    groups of those still running ``grace_s`` later."""
+    for proc in procs:
+        if proc.proc.poll() is None:
+            with suppress(ProcessLookupError):
+                proc.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        proc.killed = proc.proc.poll() is None
+        with suppress(ProcessLookupError):
+            os.killpg(proc.proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.proc.wait(timeout=30)
+        proc.poll()
+        proc._pump.join(timeout=10)
+
+
+def hivemind_sockets(net: ThinNet, ns: str) -> set[str]:
+    """Paths of hivemind's unix sockets bound by processes in namespace ``ns`` (so: ours)."""
+    done = net.run_in(ns, ["cat", "/proc/net/unix"], capture_output=True, text=True)
+    fields = (line.split() for line in done.stdout.splitlines()[1:])
+    return {f[-1] for f in fields if len(f) >= 8 and Path(f[-1]).name.startswith("hivemind-")}
+
+
+def remove_dead_sockets(paths: set[str]) -> list[str]:
+    """Unlink the socket files among ``paths`` that nobody listens on any more (killed p2pd daemons
+    and some hivemind clients leave them in /tmp)."""
+    import socket
+
+    removed = []
+    for path in sorted(paths):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            with suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+        finally:
+            probe.close()
+    return removed
+
+
+def sample_sockets(net: ThinNet, node_ns: str) -> list[dict[str, Any]]:
+    """Established TCP sockets of a namespace: peer address, bytes queued to send, smoothed RTT."""
+    done = net.run_in(node_ns, ["ss", "-tinH", "state", "established"], capture_output=True, text=True)
+    found = []
+    lines = done.stdout.splitlines()
+    for i, line in enumerate(lines):
+        fields = line.split()
+        if len(fields) >= 4 and fields[0].isdigit():  # Recv-Q Send-Q Local Peer
+            info = lines[i + 1] if i + 1 < len(lines) else ""
+            rtt = re.search(r"\brtt:([\d.]+)/", info)
+            found.append(
+                {
+                    "local": fields[2],
+                    "peer": fields[3],
+                    "send_q": int(fields[1]),
+                    "rtt_ms": float(rtt.group(1)) if rtt else None,
+                }
+            )
+    return found
+
+
+def tbf_counters(net: ThinNet, ns: str) -> dict[str, dict[str, int]]:
+    done = subprocess.run(["tc", "-s", "-n", ns, "qdisc", "show"], capture_output=True, text=True)
+    counters, dev = {}, None
+    for line in done.stdout.splitlines():
+        head = re.match(r"qdisc tbf \S+ dev (\S+)", line)
+        if head:
+            dev = head.group(1)
+        sent = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", line)
+        if sent and dev:
+            counters[dev] = {"bytes": int(sent.group(1)), "dropped": int(sent.group(3))}
+            dev = None
+    return counters
+
+
+def code_version() -> dict[str, Any]:
+    """The commit the peers run, and the package files that differ from it (the working tree is what runs)."""
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    changed = git("status", "--short", "--", "p2p_cocodc").splitlines()
+    return {"commit": git("rev-parse", "--short", "HEAD"), "changed": [line[3:] for line in changed]}
+
+
+def timed_lines(path: Path) -> list[dict[str, Any]]:
+    """JSON lines of a Logged process, each with "at": seconds since the peers were started."""
+    rows = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            stamp, _, text = line.partition("] ")
+            with suppress(ValueError):
+                row = json.loads(text)
+                if isinstance(row, dict):
+                    rows.append({"at": float(stamp.strip("[ s")), **row})
+    return rows
+
+
+def board_history(path: Path) -> dict[int, tuple[float, int]]:
+    """Per shard, when the bootstrap's /status last listed that peer's record, and at which step."""
+    last: dict[int, tuple[float, int]] = {}
+    for row in timed_lines(path):
+        for record in row.get("runs", {}).get("thin", {}).get("peers", {}).values():
+            last[record["shard"]] = (row["at"], record["step"])
+    return last
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def notable(log: Path) -> list[str]:
+    """Warning and error lines of a peer's log (hivemind's and ours), without repeats of one text."""
+    seen, kept = set(), []
+    for line in log.read_text(errors="replace").splitlines():
+        if re.search(r"\bWARN|ERROR|error:|Traceback|Exception", line):
+            key = re.sub(r"\d+(\.\d+)?", "#", line.split("] ", 1)[-1])
+            if key not in seen:
+                seen.add(key)
+                kept.append(line)
+    return kept
+
+
+def run_rate(mbps: float, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    rundir = workdir / f"{mbps:g}mbit"
+    rundir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"mbps": mbps, "steps": args.steps, "timeout_s": args.timeout}
+    result["code"] = code_version()
+    with thin_network(PEERS, mbps, latency_ms=args.queue_ms) as net:
+        a, b = net.nodes[0], net.nodes[1]
+        measured, _ = tcp_throughput(net, a, b, int(mbps * 1e6 / 8 * 2))  # about 2 s of traffic
+        result["link_measured_mbps"] = round(measured, 2)
+        print(f"[{mbps:g} Mbit/s] link check: {measured:.2f} Mbit/s TCP goodput {a.address} -> {b.address}")
+        t0 = time.monotonic()
+        boot_argv = CLI + ["bootstrap", "--host", net.switch_address, "--port", str(BOOT_PORT)]
+        boot_argv += ["--status-port", str(STATUS_PORT), "--identity", str(rundir / "bootstrap.id")]
+        boot_argv += ["--address-file", str(rundir / "bootstrap.json")]
+        (rundir / "bootstrap.json").unlink(missing_ok=True)
+        boot = Logged(net, net.switch, boot_argv, rundir / "bootstrap.log", t0)
+        status_url = f"http://{net.switch_address}:{STATUS_PORT}/status"
+        peers: list[Logged] = []
+        status: Logged | None = None
+        probe: Logged | None = None
+        cut: list[Logged] = []
+        samples: list[dict[str, Any]] = []
+        sockets: set[str] = set()
+        try:
+            deadline = time.monotonic() + 60
+            while not (rundir / "bootstrap.json").exists():
+                if boot.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the bootstrap did not start; see {rundir / 'bootstrap.log'}")
+                time.sleep(0.2)
+            joining = f"{net.switch_address}:{STATUS_PORT}"
+            for node in net.nodes:
+                out = rundir / f"peer{node.index}.jsonl"
+                out.unlink(missing_ok=True)
+                argv = CLI + ["join", "--bootstrap", joining, "--host", node.address, "--run-id", "thin"]
+                argv += ["--shard", f"{node.index}/{PEERS}", *training_options(args), "--out", str(out)]
+                argv += ["--verbose"] if args.verbose else []
+                peers.append(Logged(net, node.ns, argv, rundir / f"peer{node.index}.log", t0))
+            result["peer_command"] = " ".join(["ip netns exec NS python", *argv[1:]])
+            result["bootstrap_command"] = " ".join(["ip netns exec SWITCH python", *boot_argv[1:]])
+            status = Logged(
+                net, net.switch, [sys.executable, "-c", STATUS_POLL, status_url], rundir / "status.log", t0
+            )
+            if args.dht_probe:
+                maddrs = json.loads((rundir / "bootstrap.json").read_text())["maddrs"]
+                probe_argv = [sys.executable, "-c", DHT_PROBE, json.dumps(maddrs), a.address]
+                probe_argv.append("p2p-cocodc.thin.peers")
+                probe = Logged(net, a.ns, probe_argv, rundir / "dht_probe.log", t0)
+            started = time.monotonic()
+            timed_out = False
+            while [p.poll() for p in peers].count(None):  # polls each: its end time is kept
+                if time.monotonic() - started > args.timeout:
+                    timed_out = True
+                    cut = [p for p in peers if p.poll() is None]
+                    break
+                tick = {"t": round(time.monotonic() - t0, 1)}
+                for node in net.nodes:
+                    tick[node.address] = sample_sockets(net, node.ns)
+                for ns in net.namespaces:
+                    sockets |= hivemind_sockets(net, ns)
+                samples.append(tick)
+                time.sleep(1.0)
+            result["timed_out"] = timed_out
+            result["tbf"] = {ns: tbf_counters(net, ns) for ns in [net.switch] + [n.ns for n in net.nodes]}
+        finally:
+            end_all([*peers, *(p for p in (status, probe) if p), boot])
+            result["removed_sockets"] = remove_dead_sockets(sockets)
+        (rundir / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+        board = board_history(rundir / "status.log")
+        result["dht_probe"] = timed_lines(rundir / "dht_probe.log")
+        result["peers"] = []
+        for node, proc in zip(net.nodes, peers, strict=True):
+            recs = records(rundir / f"peer{node.index}.jsonl")
+            summary = next((r for r in recs if r.get("kind") == "summary"), None)
+            evals = [r for r in recs if r.get("kind") == "eval"]
+            log_lines = (rundir / f"peer{node.index}.log").read_text(errors="replace").splitlines()
+            code = proc.proc.returncode
+            peer_send_q = [
+                max((s["send_q"] for s in tick[node.address]), default=0)
+                for tick in samples
+                if node.address in tick
+            ]
+            result["peers"].append(
+                {
+                    "peer": node.index,
+                    "address": node.address,
+                    "exit_code": (
+                        f"cut at timeout, {'SIGKILLed' if proc.killed else code}" if proc in cut else code
+                    ),
+                    "wall_s": round((proc.ended or time.monotonic()) - proc.started, 1),
+                    "sha256": summary["global_params_sha256"] if summary else None,
+                    # a peer that failed wrote no summary: its last evaluation, or the step it last published
+                    "steps": summary["steps"]
+                    if summary
+                    else max([e["step"] for e in evals] + [board.get(node.index, (0, 0))[1]]),
+                    "stall_s": round((summary or (evals[-1] if evals else {})).get("stall_s", 0.0), 1),
+                    "rounds_done": summary.get("rounds_done") if summary else None,
+                    "rounds_failed": summary.get("rounds_failed") if summary else None,
+                    "final_val_ppl": summary.get("final_val_ppl") if summary else None,
+                    "bytes_sent": (summary or (evals[-1] if evals else {})).get("bytes_sent"),
+                    "max_send_q": max(peer_send_q, default=0),
+                    # from the log, for a peer that wrote no summary: rounds it saw a group for, and
+                    # fragment syncs it logged as failed
+                    "groups_logged": len(set(re.findall(r"round (f\d+:\d+): group", "\n".join(log_lines)))),
+                    "syncs_failed_logged": sum(
+                        "failed (" in x and "sync of fragment" in x for x in log_lines
+                    ),
+                    # (seconds since start, step) of the last time the bootstrap saw its record
+                    "last_on_board": board.get(node.index),
+                    "notable": notable(rundir / f"peer{node.index}.log")[:40],
+                    "last_lines": log_lines[-args.tail :],
+                }
+            )
+    hashes = {p["sha256"] for p in result["peers"]}
+    result["hashes_equal"] = len(hashes) == 1 and None not in hashes
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"### {result['mbps']:g} Mbit/s (measured {result['link_measured_mbps']} Mbit/s), "
+        f"{result['steps']} steps, timed out: {result['timed_out']}, hashes equal: {result['hashes_equal']}; "
+        f"code {result['code']['commit']}{' + changes' if result['code']['changed'] else ''}",
+        "",
+        "| peer | exit | steps | θ̄ sha256 | stall s | rounds done / failed | wall s | max send-Q "
+        "| on board until |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in result["peers"]:
+        sha = p["sha256"][:16] if p["sha256"] else "—"
+        if p["rounds_done"] is not None:
+            rounds = f"{p['rounds_done']} / {p['rounds_failed']}"
+        else:  # no summary: what its log says
+            rounds = f"({p['groups_logged']} formed / {p['syncs_failed_logged']} failed)"
+        board = p["last_on_board"]
+        seen = f"{board[0]:.0f} s (step {board[1]})" if board else "—"
+        lines.append(
+            f"| {p['peer']} | {p['exit_code']} | {p['steps']} | {sha} | {p['stall_s']} | {rounds} | "
+            f"{p['wall_s']} | {p['max_send_q']} | {seen} |"
+        )
+    probe = result.get("dht_probe") or []
+    if probe:
+        for what in ("store", "get"):
+            took = sorted(r[f"{what}_s"] for r in probe if f"{what}_s" in r)
+            failed = sum(f"{what}_error" in r for r in probe)
+            lines.append(
+                f"\nbystander DHT {what}: {len(took)} calls, median {took[len(took) // 2]:.2f} s, "
+                f"max {took[-1]:.2f} s, {failed} failed"
+            )
+    for p in result["peers"]:
+        lines += ["", f"peer {p['peer']}: warnings and errors", *("    " + x for x in p["notable"][:12])]
+        lines += [f"peer {p['peer']}: last lines", *("    " + x for x in p["last_lines"])]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mbps", type=float, action="append", help="link rate; repeat for several runs")
+    parser.add_argument("--steps", type=int, default=96, help="inner steps per peer")
+    parser.add_argument("--timeout", type=float, default=480.0, help="seconds before a run's peers are ended")
+    parser.add_argument("--algo", default="cocodc")
+    parser.add_argument("--codec", default="fp32")
+    parser.add_argument("--queue-ms", type=float, default=50.0, help="tbf latency: longest wait in a queue")
+    parser.add_argument("--tail", type=int, default=8, help="last log lines to report per peer")
+    parser.add_argument("--no-verbose", dest="verbose", action="store_false", help="join without --verbose")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument(
+        "--dht-probe",
+        action="store_true",
+        help="also time DHT calls from a bystander node in peer 0's namespace (own connections, same link)",
+    )
+    args = parser.parse_args()
+    rates = args.mbps or [10.0, 2.0]
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="thin-link-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (or a CI timeout) must still end the peers and remove the namespaces
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results = []
+    for mbps in rates:
+        results.append(run_rate(mbps, args, workdir))
+        print(report(results[-1]), flush=True)
+        (workdir / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"\nlogs, samples and results.json in {workdir}")
+
+
+if __name__ == "__main__":
+    main()

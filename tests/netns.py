@@ -1,0 +1,291 @@
+"""A thin-link network of our own: Linux network namespaces joined by a bridge, each link shaped by tbf.
+
+``thin_network(n, mbit)`` builds, for one test or benchmark run:
+
+- one *switch* namespace holding a Linux bridge (with an address of its own, ``switch_address``, so a
+  server such as the swarm's bootstrap can sit on the switch with an unshaped path to the bridge);
+- ``n`` *node* namespaces, each with lo up and one veth (``eth0``-like, named with the run's suffix)
+  whose other end is a port of the bridge, and an address in a private /24;
+- egress shaping with tbf on both ends of every veth: the node's end limits what it sends (upload),
+  the switch's end what it receives (download), ``mbit`` Mbit/s each way.
+
+Everything is created inside namespaces this module made (``ip -n NS link add ... peer ... netns
+OTHER``), so the host's own interfaces, addresses and routes are never touched; every name carries a
+random suffix, so parallel runs never collide. On exit, whatever happens in the body, the processes
+still running inside those namespaces (only ever started there by the caller) are killed and the
+namespaces deleted, which deletes their veths and the bridge with them.
+
+Processes run inside a namespace through ``ip netns exec NAME``: ``net.prefix(node)`` is that argv
+prefix, ``net.popen_in`` / ``net.run_in`` wrap ``subprocess``.
+
+The kernel here has no netem, so there is no added delay: only a rate limit and its queue (tbf's
+``latency``, the longest a packet may wait in the queue before tbf drops it).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "tl"  # every namespace and interface this module makes starts with it, then the run's suffix
+MTU_FRAME = 1514
+
+
+class NetnsUnavailable(RuntimeError):
+    """This machine does not let us build namespaces (the message says why)."""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+    return done
+
+
+def _tc(ns: str, *args: str) -> None:
+    done = subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"tc -n {ns} {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+
+
+def netns_unavailable_reason() -> str | None:
+    """Why namespaces with veths, a bridge and tbf cannot be made here, or None when they can.
+
+    Checked by doing it once: a throwaway namespace with a veth pair, a bridge and a tbf qdisc, then
+    removed."""
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces are Linux only (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "not running as root (ip netns needs CAP_SYS_ADMIN and CAP_NET_ADMIN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"no `{tool}` command (iproute2) on PATH"
+    probe = f"{PREFIX}{secrets.token_hex(3)}pr"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
+    try:
+        steps = [
+            ["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
+            ["ip", "-n", probe, "link", "add", "pbr", "type", "bridge"],
+            ["ip", "-n", probe, "link", "set", "pa", "master", "pbr"],
+            ["tc", "-n", probe, "qdisc", "add", "dev", "pb", "root", "tbf"]
+            + ["rate", "8mbit", "burst", "16kb", "latency", "50ms"],
+        ]
+        for argv in steps:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            if done.returncode != 0:
+                return f"`{' '.join(argv[:1] + argv[3:])}` failed: {done.stderr.strip() or done.returncode}"
+    finally:
+        _ip("netns", "del", probe, check=False)
+    return None
+
+
+@dataclass(frozen=True)
+class Node:
+    """One host of the thin network: its namespace, its interface there and its address."""
+
+    index: int
+    ns: str
+    iface: str
+    address: str
+
+
+@dataclass
+class ThinNet:
+    suffix: str
+    mbit: float
+    switch: str  # the switch namespace
+    bridge: str
+    switch_address: str | None
+    nodes: list[Node] = field(default_factory=list)
+    namespaces: list[str] = field(default_factory=list)  # every namespace made, in order
+    interfaces: list[str] = field(default_factory=list)  # every interface made (any namespace)
+
+    @staticmethod
+    def _ns(where: Node | str) -> str:
+        return where.ns if isinstance(where, Node) else where
+
+    def prefix(self, where: Node | str) -> list[str]:
+        """argv prefix that runs a command inside ``where`` (a Node or a namespace name)."""
+        return ["ip", "netns", "exec", self._ns(where)]
+
+    def popen_in(self, where: Node | str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` inside ``where``; ``ip netns exec`` execs it, so the pid is the command's."""
+        return subprocess.Popen([*self.prefix(where), *argv], **kwargs)
+
+    def run_in(self, where: Node | str, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.prefix(where), *argv], **kwargs)
+
+
+def _shape(ns: str, iface: str, mbit: float, latency_ms: float) -> None:
+    """tbf on ``iface``'s egress: ``mbit`` Mbit/s, a burst of a few ms (at least a few frames, which
+    GSO packets larger than it are segmented to), packets dropped after ``latency_ms`` in the queue."""
+    rate_bytes = mbit * 1e6 / 8
+    burst = max(int(rate_bytes * 0.004), 4 * MTU_FRAME)
+    _tc(ns, *f"qdisc add dev {iface} root tbf rate {mbit}mbit burst {burst} latency {latency_ms}ms".split())
+
+
+def pids_in(ns: str) -> list[int]:
+    done = _ip("netns", "pids", ns, check=False)
+    return [int(p) for p in done.stdout.split() if p.isdigit()] if done.returncode == 0 else []
+
+
+def _kill_inside(namespaces: list[str], timeout: float = 10.0) -> None:
+    """SIGKILL what still runs inside our namespaces (the caller started it there), and wait for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [p for ns in namespaces for p in pids_in(ns)]
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def leftovers(suffix: str) -> list[str]:
+    """Namespaces and host interfaces whose names carry ``suffix`` (empty after a clean exit)."""
+    found = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if suffix in line]
+    for line in _ip("-o", "link").stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if suffix in name:
+            found.append(name)
+    return found
+
+
+@contextmanager
+def thin_network(
+    n: int,
+    mbit: float,
+    *,
+    subnet: str = "10.213.0",
+    latency_ms: float = 50.0,
+    switch_address: bool = True,
+) -> Iterator[ThinNet]:
+    """``n`` namespaces on a bridge, every link shaped to ``mbit`` Mbit/s each way (see the module
+    docstring). Node ``i`` has ``{subnet}.{i + 1}/24``, the switch ``{subnet}.254``. Raises
+    NetnsUnavailable, before making anything, when this machine cannot do it."""
+    if not 1 <= n <= 200:
+        raise ValueError(f"n must be in [1, 200], got {n}")
+    if mbit <= 0:
+        raise ValueError(f"mbit must be positive, got {mbit}")
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        raise NetnsUnavailable(reason)
+    suffix = secrets.token_hex(3)
+    base = f"{PREFIX}{suffix}"  # 8 characters; interface names below stay within 15
+    net = ThinNet(
+        suffix=suffix,
+        mbit=mbit,
+        switch=f"{base}sw",
+        bridge=f"{base}br",
+        switch_address=f"{subnet}.254" if switch_address else None,
+    )
+    try:
+        _ip("netns", "add", net.switch)
+        net.namespaces.append(net.switch)
+        _ip("-n", net.switch, "link", "set", "lo", "up")
+        _ip("-n", net.switch, "link", "add", net.bridge, "type", "bridge", "forward_delay", "0")
+        net.interfaces.append(net.bridge)
+        _ip("-n", net.switch, "link", "set", net.bridge, "up")
+        if net.switch_address:
+            _ip("-n", net.switch, "addr", "add", f"{net.switch_address}/24", "dev", net.bridge)
+        for i in range(n):
+            node = Node(i, f"{base}n{i}", f"{base}e{i}", f"{subnet}.{i + 1}")
+            port = f"{base}s{i}"
+            _ip("netns", "add", node.ns)
+            net.namespaces.append(node.ns)
+            _ip("-n", node.ns, "link", "set", "lo", "up")
+            # both ends born inside our namespaces: nothing ever appears in the host's
+            _ip(
+                "-n", net.switch, *f"link add {port} type veth peer name {node.iface} netns {node.ns}".split()
+            )
+            net.interfaces += [port, node.iface]
+            _ip("-n", net.switch, "link", "set", port, "master", net.bridge)
+            _ip("-n", net.switch, "link", "set", port, "up")
+            _ip("-n", node.ns, "addr", "add", f"{node.address}/24", "dev", node.iface)
+            _ip("-n", node.ns, "link", "set", node.iface, "up")
+            _shape(node.ns, node.iface, mbit, latency_ms)  # what the node sends
+            _shape(net.switch, port, mbit, latency_ms)  # what the node receives
+            net.nodes.append(node)
+        yield net
+    finally:
+        _kill_inside(net.namespaces)
+        failures = []
+        for ns in reversed(net.namespaces):
+            done = _ip("netns", "del", ns, check=False)
+            if done.returncode != 0:
+                failures.append(f"{ns}: {done.stderr.strip()}")
+        if failures and sys.exc_info()[0] is None:
+            raise RuntimeError(f"could not remove namespaces: {'; '.join(failures)}")
+
+
+# A one-shot TCP sink and source for checking a link's rate (run with ``python -c``).
+SINK = """
+import socket, sys, time
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((sys.argv[1], int(sys.argv[2]))); srv.listen(1); srv.settimeout(float(sys.argv[3]))
+conn, _ = srv.accept(); conn.settimeout(float(sys.argv[3])); got = 0
+while chunk := conn.recv(1 << 16):
+    got += len(chunk)
+conn.sendall(str(got).encode()); conn.close()
+"""
+
+SOURCE = """
+import socket, sys, time
+host, port, nbytes, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+deadline = time.monotonic() + timeout
+while True:  # the sink may not listen yet: retry until the deadline
+    try:
+        conn = socket.create_connection((host, port), timeout=timeout); break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.02)
+start = time.monotonic(); block = b"x" * (1 << 16); left = nbytes
+while left > 0:
+    left -= conn.send(block[: min(left, len(block))])
+conn.shutdown(socket.SHUT_WR); got = int(conn.recv(64)); took = time.monotonic() - start
+print(got, took)
+"""
+
+
+def tcp_throughput(
+    net: ThinNet, src: Node, dst: Node, nbytes: int, port: int = 5201, timeout: float = 60.0
+) -> tuple[float, int]:
+    """Send ``nbytes`` over TCP from ``src`` to ``dst``; returns (Mbit/s, bytes the sink received),
+    timed at the source from connect until the sink confirms it has everything."""
+    sink = net.popen_in(
+        dst,
+        [sys.executable, "-c", SINK, dst.address, str(port), str(timeout)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        done = net.run_in(
+            src,
+            [sys.executable, "-c", SOURCE, dst.address, str(port), str(nbytes), str(timeout)],
+            capture_output=True,
+            text=True,
+            timeout=timeout + 10,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"TCP source failed: {done.stderr.strip()[-1000:]}")
+        got, took = done.stdout.split()
+        return nbytes * 8 / float(took) / 1e6, int(got)
+    finally:
+        if sink.poll() is None:
+            with suppress(ProcessLookupError):
+                os.killpg(sink.pid, signal.SIGKILL)
+        sink.wait(timeout=10)
