@@ -10,6 +10,7 @@ invariants after every event and returns a ``Verdict``; nothing here reads a rea
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from dataclasses import dataclass, field
 from itertools import count
@@ -58,12 +59,14 @@ class Plan:
     duplicate: float
     view_lag: dict[tuple[str, str], float]  # (viewer, peer) -> seconds until the viewer sees the peer
     linger: dict[tuple[str, str], float]  # (viewer, dead peer) -> seconds it stays on the viewer's board
+    leave_at: dict[str, float]  # peers that say they are leaving (SIGTERM) at that time
+    board_lag: dict[tuple[str, str], float]  # (viewer, peer) -> seconds a change of its record takes
     codec: str
     numel: int
 
     @property
     def faults(self) -> bool:
-        return bool(self.crash_at) or self.drop > 0
+        return bool(self.crash_at) or self.drop > 0 or bool(self.leave_at)
 
 
 def draw_plan(seed: int) -> Plan:
@@ -86,6 +89,11 @@ def draw_plan(seed: int) -> Plan:
                 if viewer != newcomer and rng.random() < 0.7:
                     view_lag[(viewer, newcomer)] = start_at[newcomer] + rng.uniform(0, 8)
     linger = {(v, p): rng.uniform(0, DEADLINES.heard_s * 2) for v in ids for p in crash_at if v != p}
+    leave_at: dict[str, float] = {}
+    if rng.random() < 0.25:  # a peer leaves: before it reaches the round, or during it
+        stayers = [p for p in ids if p not in crash_at]
+        leave_at[rng.choice(stayers)] = rng.uniform(0, 15)
+    board_lag = {(v, p): rng.uniform(0, 2) for v in ids for p in ids if v != p}
     fast = rng.random() < 0.5
     return Plan(
         ids=ids,
@@ -97,6 +105,8 @@ def draw_plan(seed: int) -> Plan:
         duplicate=rng.choice([0.0, 0.1]),
         view_lag=view_lag,
         linger=linger,
+        leave_at=leave_at,
+        board_lag=board_lag,
         codec=rng.choice(["fp32", "fp32", "int8"]),
         numel=rng.choice([5, 8, 130]),
     )
@@ -130,10 +140,12 @@ class World:
         self.outcomes: dict[str, object] = {}
         self.settled_at: dict[str, float] = {}
         self.dead: set[str] = set()
+        self.leaving: set[str] = set()
+        self.exited: dict[str, float] = {}  # leavers that have exited, and when
         self.started: set[str] = set()
         self.events = 0
         self.trace: list[str] | None = None
-        self.checked_state = (0, 0)
+        self.checked_state = (0, 0, 0)
         self.dropped_last: set[tuple[str, str]] = set()  # links whose last message was dropped
 
     # ---- the schedule ----
@@ -154,9 +166,24 @@ class World:
             crash = self.plan.crash_at.get(peer)
             if crash is not None and self.now >= crash + self.plan.linger.get((viewer, peer), 0.0):
                 continue
-            step = STEP if peer in self.started else STEP - 1
-            view[peer] = BoardPeer(step=step, step_time_s=1.0)
+            lag = self.plan.board_lag[(viewer, peer)]  # its record is re-read every heartbeat or so
+            at_round = peer in self.started and self.now >= self.plan.start_at[peer] + lag
+            step = STEP if at_round else STEP - 1
+            leaving = self.now >= self.plan.leave_at.get(peer, math.inf) + lag
+            done = self.now >= self.exited.get(peer, math.inf) + lag
+            view[peer] = BoardPeer(step=step, step_time_s=1.0, leaving=leaving, done=done)
         return view
+
+    def exit_leavers(self) -> None:
+        """A leaving peer exits once it has settled what it started (at once if it never started)."""
+        for peer in self.leaving - set(self.exited):
+            machine = self.machines.get(peer)
+            started = peer in self.started
+            if not started or (peer in self.outcomes and machine is not None and machine.quiescent(self.now)):
+                self.exited[peer] = self.now
+                for viewer in self.plan.ids:
+                    if viewer != peer:
+                        self.at(self.now + self.plan.board_lag[(viewer, peer)] + 1e-6, ("views",))
 
     def machine(self, peer: str) -> RoundMachine:
         if peer not in self.machines:
@@ -173,7 +200,7 @@ class World:
         return self.machines[peer]
 
     def feed(self, peer: str, event: object) -> None:
-        if peer in self.dead:
+        if peer in self.dead or peer in self.exited:
             return
         effects = self.machine(peer).handle(event, self.now)  # type: ignore[arg-type]
         if self.trace is not None and not isinstance(event, Tick | ViewChanged):
@@ -211,8 +238,14 @@ class World:
             self.at(t, ("start", peer))
         for peer, t in plan.crash_at.items():
             self.at(t, ("crash", peer))
+        for peer, t in plan.leave_at.items():
+            self.at(t, ("leave", peer))
+            for viewer in plan.ids:
+                if viewer != peer:
+                    self.at(t + plan.board_lag[(viewer, peer)] + 1e-6, ("views",))
         changes = (
             {t for t in plan.view_lag.values()}
+            | {plan.start_at[p] + t for (_, p), t in plan.board_lag.items()}
             | {plan.crash_at[p] + t for (_, p), t in plan.linger.items()}
             | set(plan.start_at.values())
         )
@@ -227,12 +260,14 @@ class World:
             kind = what[0]  # type: ignore[index]
             if kind == "start":
                 _, peer = what  # type: ignore[misc]
+                if peer in self.leaving:
+                    continue  # it left before reaching the round: it never starts it
                 self.started.add(peer)
                 self.feed(peer, Start(STEP, self.vectors[peer]))
                 self.broadcast_views()
             elif kind == "deliver":
                 _, to, sender, message = what  # type: ignore[misc]
-                if sender in self.dead and self.rng.random() < 0.5:
+                if sender in self.dead and sender not in self.exited and self.rng.random() < 0.5:
                     continue  # a crashed peer's messages in flight may be lost with it
                 self.feed(to, Received(sender, message))
             elif kind == "computed":
@@ -240,6 +275,8 @@ class World:
                 self.feed(peer, run_job(job, self.codec))
             elif kind == "crash":
                 self.dead.add(what[1])  # type: ignore[index]
+            elif kind == "leave":
+                self.leaving.add(what[1])  # type: ignore[index]
             elif kind == "views":
                 self.broadcast_views()
             elif kind == "tick":
@@ -247,6 +284,7 @@ class World:
                     self.feed(peer, Tick())
                 if not self.finished() and self.now < limit_s:
                     self.at(self.now + TICK_S, ("tick",))
+            self.exit_leavers()
             verdict.violation = self.check()
             if verdict.violation:
                 break
@@ -263,7 +301,7 @@ class World:
             self.feed(peer, ViewChanged(self.view_of(peer)))
 
     def live_peers(self) -> list[str]:
-        return [p for p in self.plan.ids if p not in self.dead]
+        return [p for p in self.plan.ids if p not in self.dead and p not in self.exited]
 
     def finished(self) -> bool:
         """Every live peer started and settled, and nothing of theirs is left to deliver."""
@@ -277,14 +315,14 @@ class World:
     def check(self) -> str | None:
         """The invariants; they depend only on outcomes and on who is alive, so they are evaluated
         again whenever either has changed since the last event."""
-        state = (len(self.outcomes), len(self.dead))
+        state = (len(self.outcomes), len(self.dead), len(self.exited))
         if state == self.checked_state:
             return None
         self.checked_state = state
         # over live peers: a peer that completes and then dies takes its outcome with it (a peer
         # that copied its average before it died is live and is checked)
         completed = {
-            p: o for p, o in self.outcomes.items() if isinstance(o, Completed) and p not in self.dead
+            p: o for p, o in self.outcomes.items() if isinstance(o, Completed) and p in self.live_peers()
         }
         groups = {o.members for o in completed.values() if o.by_butterfly}
         if len(groups) > 1:
@@ -351,4 +389,10 @@ def explore(
     plan = draw_plan(seed)
     world = World(plan, random.Random(seed * 7919 + 1), machine)
     world.trace = [] if trace else None
-    return world.run(seed), world.trace or []
+    try:
+        verdict = world.run(seed)
+    except Exception as exc:  # noqa: BLE001 - a machine that raises is a violation like any other
+        verdict = Verdict(
+            seed, f"a machine raised {type(exc).__name__}: {exc}", world.events, end_time=world.now
+        )
+    return verdict, world.trace or []

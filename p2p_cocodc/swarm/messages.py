@@ -14,7 +14,7 @@ type-checked and bounded, and anything else is a ``BadMessage`` naming what was 
 | PART | members, index, numel, data | my encoding of slice ``index`` for its owner |
 | RESULT | members, index, numel, data | the owner's encoded mean of slice ``index`` |
 | ACK | kind, index | a PART or RESULT arrived |
-| FETCH | ask | "give me the round's average" (a peer left out of the round, or whose all-reduce failed) |
+| FETCH | ask, members | "give me the average" (a left-out peer, or one whose all-reduce failed; its group) |
 | AVERAGE | members, numel, data | the round's average, fp32, bit-exact |
 | STATUS | status, detail, ask | where the round stands here, when that is the whole answer (see ``Status``) |
 """
@@ -133,10 +133,11 @@ class Ack(Message):
 @dataclass(frozen=True)
 class Fetch(Message):
     ask: int = 0  # numbers the asker's FETCHes; the STATUS answering it repeats the number
+    members: Members = ()  # the asker's group of the round, if it has one
     code: ClassVar[Code] = Code.FETCH
 
     def fields(self) -> dict[str, Any]:
-        return {"ask": self.ask}
+        return {"ask": self.ask, "members": [list(m) for m in self.members]}
 
 
 @dataclass(frozen=True)
@@ -184,10 +185,10 @@ def parse_message(body: Any) -> Message:
     if code == Code.LEADER:
         return Leader(round_id, _peer_id(body.get("leader"), "leader"))
     if code == Code.FETCH:
-        ask = body.get("ask")
-        if not _is_index(ask):
-            raise BadMessage("FETCH needs an int 'ask'")
-        return Fetch(round_id, ask)
+        ask, members = body.get("ask"), body.get("members")
+        if not _is_index(ask) or not isinstance(members, list):
+            raise BadMessage("FETCH needs an int 'ask' and a 'members' list (empty without a group)")
+        return Fetch(round_id, ask, parse_members(members) if members else ())
     if code == Code.ACK:
         kind, index = body.get("kind"), body.get("index")
         if kind not in (Code.PART, Code.RESULT) or not _is_index(index):

@@ -297,6 +297,7 @@ class RoundMachine:
         self.joins: dict[str, int] = {}  # while leading: joined peer -> shard
         self.joined: str | None = None  # the leader we sent JOIN to
         self.closing_since: float | None = None  # the leader's deadline passed: last probes are out
+        self.leading_since: float | None = None  # since when this peer takes itself for the leader
         self.answered_probe: dict[str, float] = {}  # peer -> when it last answered a JOIN/PROBE of ours
         self.points_to: dict[str, str] = {}  # peer -> the leader it named in its last LEADER answer
         self.gave_round_up = False  # asked for the average with no group: it joins no group, ever
@@ -511,6 +512,8 @@ class RoundMachine:
     def _on_fetch(self, sender: str, msg: Fetch, now: float, out: list[Effect]) -> None:
         self.gave_up.add(sender)  # it will not join: a leader stops waiting for it
         self.joins.pop(sender, None)
+        if msg.members and self.members is None and self.phase in (Phase.IDLE, Phase.FORMING):
+            self._adopt(msg.members, now, out, f"from a FETCH of {short(sender)}")
         if isinstance(self.outcome, Completed):
             average = self.outcome.average
             reply: Message = Average(
@@ -600,6 +603,7 @@ class RoundMachine:
                     self._send(out, peer, Leader(self.round_id, leader), now, expect=False)
             self.joins = {}
             self.closing_since = None
+            self.leading_since = None
             if self.joined != leader or self._due(Code.JOIN, leader, now):
                 self.joined = leader
                 self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint), now)
@@ -607,9 +611,11 @@ class RoundMachine:
                 self._recover(now, out, f"leader {short(leader)} did not form the group in time")
             return
         self.joined = None
+        if self.leading_since is None:
+            self.leading_since = now
         self.joins[self.me] = self.shard
         missing = self.live(now) - set(self.joins)
-        if not missing:
+        if not missing and self._others_answered(missing, now, out):
             self._decide(now, out)
             return
         assert self.step is not None
@@ -623,9 +629,26 @@ class RoundMachine:
             self.closing_since = now
             for peer in sorted(missing):
                 self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
-        if self._last_probes_answered(missing, now, out):  # no missing peer is coming: form without
+        # no missing peer is coming, and no peer that did not join holds a group: form without them
+        if self._last_probes_answered(missing, now, out) & self._others_answered(missing, now, out):
             out.append(Note(f"round {self.round_id}: forms without {sorted(short(p) for p in missing)}"))
             self._decide(now, out)
+
+    def _others_answered(self, missing: set[str], now: float, out: list[Effect]) -> bool:
+        """Whether every present peer that will not join (recovering, leaving) has answered a probe
+        since we lead: it may hold a group of the round that we must adopt rather than form a
+        second one. Probes those that have not."""
+        assert self.leading_since is not None
+        since = self.leading_since
+        unknown = {
+            p
+            for p in self.present(now) - set(self.joins) - missing
+            if self.answered_probe.get(p, -1.0) < since
+        }
+        for peer in sorted(unknown):
+            if self._due(Code.PROBE, peer, now, 2 * self.deadlines.resend_s):
+                self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
+        return not unknown
 
     def _last_probes_answered(self, missing: set[str], now: float, out: list[Effect]) -> bool:
         """Whether every missing peer, and every peer one of them named as its leader, has answered
@@ -705,7 +728,7 @@ class RoundMachine:
             self._recover(now, out, "the all-reduce timed out")
             return
         missing = [p for p in peers if p not in self.parts or p not in self.results]
-        gone = [p for p in missing if p != self.me and p not in self.live(now)]
+        gone = [p for p in missing if p != self.me and p not in self.present(now) - self.gave_up]
         if gone:
             self._recover(now, out, f"member {short(gone[0])} is gone")
 
@@ -770,7 +793,7 @@ class RoundMachine:
             if self._due(Code.FETCH, peer, now):
                 rec.asks += 1
                 rec.unanswered_since.setdefault(peer, now)
-                self._send(out, peer, Fetch(self.round_id, ask=rec.asks), now)
+                self._send(out, peer, Fetch(self.round_id, ask=rec.asks, members=self.members or ()), now)
         if pending or "decode" in self.jobs_out:
             return
         lost = any(status == Status.GONE for status, _ in rec.answers.values())
