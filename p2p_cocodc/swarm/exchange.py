@@ -23,6 +23,7 @@ for the last ``MAX_SERVED`` rounds, after which an asker hears that the average 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from p2p_cocodc.codecs import Codec
-from p2p_cocodc.swarm.messages import Message, Status, StatusReply, parse_message, payload_bytes
+from p2p_cocodc.swarm.messages import Ack, Code, Message, Status, StatusReply, parse_message, payload_bytes
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round import (
     BoardPeer,
@@ -64,6 +65,7 @@ MAX_FINISHED = 4096  # settled rounds remembered, to answer late askers
 MAX_SERVED = 64  # of those, the most recent whose averages are kept for peers that ask
 MESSAGE_TIMEOUT_S = 30.0  # opening a stream and writing one small message
 TICK_S = 0.2
+BULK_BYTES = 64 * 1024  # a message this large or larger waits its turn on the link to its peer
 STOP_GRACE_S = 5.0  # how long stop() lets messages being written go out
 
 
@@ -126,6 +128,8 @@ class FragmentExchange:
         self.sent_once: dict[str, set[tuple[str, str, int, int]]] = {}  # round -> deliveries sent
         self.tasks: set[asyncio.Task[Any]] = set()
         self.view: dict[str, BoardPeer] = {}
+        self.link_turns: dict[str, asyncio.Lock] = {}  # peer -> whose turn it is to send it bulk data
+        self.acks_awaited: dict[tuple[str, str, int, int], asyncio.Event] = {}
         self.opened_by: dict[str, set[str]] = {}  # peers not on our board -> rounds they opened here
         self.promised: OrderedDict[str, bool] = OrderedDict()  # expired rounds we promised to stay out of
         self.ticker: asyncio.Task[None] | None = None
@@ -289,6 +293,28 @@ class FragmentExchange:
         task.add_done_callback(lambda _: self.sending.pop(key, None))
 
     async def _send(self, to: str, message: Message) -> None:
+        """Write one message on a stream of its own. A bulk message (a slice, an average) goes to
+        its peer only after the previous one was acknowledged, or its transfer allowance ran out:
+        the libp2p connection to a peer also carries the DHT's notice-board traffic, which must
+        not queue behind several fragments at once on a thin link. Bulk messages to one peer go in
+        the order their rounds asked for them, which is the order their results are due."""
+        size = payload_bytes(message)
+        if size < BULK_BYTES:
+            await self._write(to, message)
+            return
+        turn = self.link_turns.setdefault(to, asyncio.Lock())
+        async with turn:
+            key = (to, message.round_id, int(message.code), getattr(message, "index", 0))
+            acked = self.acks_awaited[key] = asyncio.Event()
+            try:
+                if await self._write(to, message) and message.code in (Code.PART, Code.RESULT):
+                    wait = self.deadlines.resend_after(size)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(acked.wait(), wait)
+            finally:
+                self.acks_awaited.pop(key, None)
+
+    async def _write(self, to: str, message: Message) -> bool:
         from hivemind.p2p import PeerID
 
         size = payload_bytes(message)
@@ -302,8 +328,10 @@ class FragmentExchange:
                 write_frame(writer, message.to_wire()), MESSAGE_TIMEOUT_S + transfer_allowance_s(size)
             )
             self.stats.record_send(size, time.perf_counter() - started)
+            return True
         except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base; the machine re-sends
             log.debug("%s to %s failed: %s: %s", message.code.name, to[:12], type(exc).__name__, exc)
+            return False
         finally:
             if writer is not None:
                 writer.close()
@@ -324,6 +352,10 @@ class FragmentExchange:
     def receive(self, sender: str, message: Message) -> None:
         """Feed one message to its round's machine, opening the round only for a live peer of ours."""
         round_id = message.round_id
+        if isinstance(message, Ack):
+            awaited = self.acks_awaited.get((sender, round_id, int(message.kind), message.index))
+            if awaited is not None:
+                awaited.set()
         if round_id not in self.open and round_id not in self.finished:
             if len(self._not_reached()) >= MAX_OPEN_ROUNDS:
                 self._refuse(sender, round_id, f"{MAX_OPEN_ROUNDS} rounds opened by others are open here")
