@@ -183,6 +183,8 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
     configure_logging(logging.INFO if verbose else logging.WARNING)
     swarm_cli = {k: options.pop(k) for k in list(options) if k not in FIELDS}
     cfg = _config_from(config_path, options)
+    if cfg.events is not None:
+        raise UserError("join: --events replays a swarm run in the simulator: use it with simulate")
     if cfg.checkpoint_dir is not None or cfg.resume:
         raise UserError(
             "join: --checkpoint-dir and --resume: checkpoints are only implemented for simulate so far"

@@ -95,6 +95,12 @@ class TrainConfig:
     out: str | None = _opt(None, "write JSON-lines records here", computes=False)
     save: str | None = _opt(None, "write the final global parameters θ̄ here (safetensors)", computes=False)
     threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)", computes=False)
+    # replay (simulate only)
+    events: str | None = _opt(
+        None,
+        "replay a swarm run: a peer's --out file, whose round records say which workers each round "
+        "averaged and which rounds failed",
+    )
     # checkpoints (simulate only so far)
     checkpoint_dir: str | None = _opt(
         None,
@@ -140,6 +146,10 @@ class TrainConfig:
             raise UserError(f"--threads must be ≥ 1, got {self.threads}")
         if self.checkpoint_every < 0:
             raise UserError(f"--checkpoint-every must be ≥ 0, got {self.checkpoint_every}")
+        if self.events is not None and not Path(self.events).is_file():
+            raise UserError(f"--events {self.events}: no such file (a peer's --out records)")
+        if self.events is not None and self.checkpoint_dir is not None:
+            raise UserError("--events and --checkpoint-dir: a replayed run cannot be checkpointed yet")
         if self.checkpoint_dir is None:
             for name, given in (("resume", self.resume), ("checkpoint_every", self.checkpoint_every)):
                 if given:

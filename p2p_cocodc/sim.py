@@ -34,6 +34,7 @@ from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.data import Shard
 from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.metrics import RunLog
+from p2p_cocodc.replay import read_rounds
 from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, summary_record
 
 
@@ -63,8 +64,9 @@ class Worker:
 
 @dataclass
 class PendingResult:
-    averaged: torch.Tensor
+    averaged: torch.Tensor | None  # None: the round failed (replayed), every worker abandons it
     arrives_at: float
+    round_id: str = ""
 
 
 class Simulation:
@@ -93,6 +95,7 @@ class Simulation:
         self.stall = 0.0
         self.bytes_sent = 0
         self.pending: dict[int, PendingResult] = {}
+        self.rounds = read_rounds(cfg.events, cfg.workers) if cfg.events else None
         self.train_losses: list[float] = []  # since the last evaluation
         self.records: list[dict[str, Any]] = []  # every eval record so far
 
@@ -178,11 +181,14 @@ class Simulation:
         strategies = [w.strategy for w in self.workers]
         if isinstance(strategies[0], DataParallel):
             grads = [s.gradient_payload() for s in strategies]  # type: ignore[union-attr]
-            averaged = butterfly_mean(grads, self.codec)
-            wire = allreduce_wire_bytes(self.codec, averaged.numel(), len(grads))
+            averaged, wire = self._average(f"g:{step}", grads)
+            if wire < 0:
+                raise UserError(f"--events {self.cfg.events} has no record of round g:{step}")
+            self._transfer_and_wait(wire)
+            if averaged is None:  # the swarm's gradient round failed: every peer skipped the step
+                return sum(losses) / len(losses)
             for s in strategies:
                 s.apply_gradients(averaged)  # type: ignore[union-attr]
-            self._transfer_and_wait(wire)
         for w in self.workers:
             w.trainer.update(step)
         loss = sum(losses) / len(losses)
@@ -209,21 +215,49 @@ class Simulation:
         """The replicas' fragment strategies (only called when the algorithm is not ddp)."""
         return [w.strategy for w in self.workers]  # type: ignore[misc]
 
+    def _group(self, round_id: str) -> tuple[int, ...] | None:
+        """The workers a round averages: all of them, or with --events those of the group the
+        swarm formed; None if the swarm's round failed. KeyError if --events has no such round."""
+        if self.rounds is None:
+            return tuple(range(len(self.workers)))
+        record = self.rounds[round_id]
+        return record.members if record.completed else None
+
+    def _average(self, round_id: str, payloads: list[torch.Tensor]) -> tuple[torch.Tensor | None, int]:
+        """A round's average (None if it failed) and the bytes one worker's link carried."""
+        try:
+            group = self._group(round_id)
+        except KeyError:
+            return None, -1
+        if group is None:
+            return None, 0
+        averaged = butterfly_mean([payloads[i] for i in group], self.codec)
+        return averaged, allreduce_wire_bytes(self.codec, averaged.numel(), len(group))
+
     def _send(self, step: int) -> None:
         strategies = self._fragment_strategies()
         for p in self._agreed([s.sends_after(step) for s in strategies], f"to send at step {step}"):
-            averaged = butterfly_mean([s.payload(p, step) for s in strategies], self.codec)
-            wire = allreduce_wire_bytes(self.codec, averaged.numel(), len(strategies))
-            self.bytes_sent += wire
-            self.pending[p] = PendingResult(averaged, self.link.send(self.clock, wire))
+            round_id = f"f{p}:{step}"
+            averaged, wire = self._average(round_id, [s.payload(p, step) for s in strategies])
+            self.bytes_sent += max(wire, 0)
+            arrives = self.link.send(self.clock, max(wire, 0))
+            self.pending[p] = PendingResult(averaged, arrives, round_id if wire < 0 else "")
 
     def _apply_due(self, step: int) -> None:
         strategies = self._fragment_strategies()
         for p in self._agreed([s.due(step) for s in strategies], f"due at step {step}"):
             result = self.pending.pop(p)
+            if result.round_id:
+                raise UserError(
+                    f"--events {self.cfg.events} has no record of round {result.round_id}, which this run "
+                    f"applies at step {step}: replay the --out of a peer that took part in the whole run"
+                )
             self._wait_until(result.arrives_at)
             for s in strategies:
-                s.apply(p, result.averaged, step)
+                if result.averaged is None:
+                    s.abandon(p)
+                else:
+                    s.apply(p, result.averaged, step)
 
     # ---- evaluation ----
 
