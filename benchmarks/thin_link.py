@@ -251,6 +251,58 @@ def board_history(path: Path) -> dict[int, tuple[float, int]]:
     return last
 
 
+def off_board(path: Path, shard: int, alive_until: float) -> tuple[float, int]:
+    """From the bootstrap's /status samples (every 2 s): the longest time this peer's record was
+    missing from the board while its process still ran, after it first appeared (the last 4 s
+    before its exit are left out: a record may lag a peer's end), and how many samples missed it."""
+    rows = [r for r in timed_lines(path) if "runs" in r]
+    seen = [
+        (
+            r["at"],
+            any(rec.get("shard") == shard for rec in r["runs"].get("thin", {}).get("peers", {}).values()),
+        )
+        for r in rows
+    ]
+    first = next((at for at, here in seen if here), None)
+    if first is None:
+        return 0.0, 0
+    longest, missing, since = 0.0, 0, None
+    for at, here in seen:
+        if at <= first or at > alive_until - 4:
+            continue
+        if here:
+            since = None
+            continue
+        missing += 1
+        since = at if since is None else since
+        longest = max(longest, at - since + 2.0)  # each sample stands for 2 s
+    return round(longest, 1), missing
+
+
+PUBLISH_LINE = re.compile(r"board publish: ([\d.]+) s, (ok|failed)")
+
+
+def publish_latency(log_lines: list[str]) -> dict[str, Any]:
+    """Percentiles of the peer's own board publishes, from its ``board publish:`` log lines."""
+    found = [PUBLISH_LINE.search(line) for line in log_lines]
+    took = sorted(float(m.group(1)) for m in found if m)
+    if not took:
+        return {"n": 0}
+
+    def pct(q: float) -> float:
+        return took[min(len(took) - 1, int(q * len(took)))]
+
+    failed = sum(1 for m in found if m and m.group(2) == "failed")
+    return {
+        "n": len(took),
+        "p50": pct(0.5),
+        "p90": pct(0.9),
+        "p99": pct(0.99),
+        "max": took[-1],
+        "failed": failed,
+    }
+
+
 def records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -379,6 +431,14 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path) -> dict[str, 
                     "syncs_failed_logged": sum(
                         "failed (" in x and "sync of fragment" in x for x in log_lines
                     ),
+                    "publish": publish_latency(log_lines),
+                    # longest time (s) and /status samples its record was off the bootstrap's board
+                    # while the peer ran; and how often this peer declared another member gone
+                    "off_board": off_board(
+                        rundir / "status.log", node.index, (proc.ended or time.monotonic()) - t0
+                    ),
+                    "gone_claims": sum("is gone" in x for x in log_lines),
+                    "lost_dht": any("lost the swarm's DHT" in x for x in log_lines),
                     # (seconds since start, step) of the last time the bootstrap saw its record
                     "last_on_board": board.get(node.index),
                     "notable": notable(rundir / f"peer{node.index}.log")[:40],
@@ -397,8 +457,9 @@ def report(result: dict[str, Any]) -> str:
         f"code {result['code']['commit']}{' + changes' if result['code']['changed'] else ''}",
         "",
         "| peer | exit | steps | θ̄ sha256 | stall s | rounds done / failed | wall s | max send-Q "
-        "| on board until |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| on board until | off board while alive (longest s / samples) | 'is gone' claims "
+        "| board publish p50 / p90 / p99 / max s (n, failed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["peers"]:
         sha = p["sha256"][:16] if p["sha256"] else "—"
@@ -408,9 +469,17 @@ def report(result: dict[str, Any]) -> str:
             rounds = f"({p['groups_logged']} formed / {p['syncs_failed_logged']} failed)"
         board = p["last_on_board"]
         seen = f"{board[0]:.0f} s (step {board[1]})" if board else "—"
+        pub = p["publish"]
+        publish = (
+            f"{pub['p50']:.2f} / {pub['p90']:.2f} / {pub['p99']:.2f} / {pub['max']:.2f} "
+            f"({pub['n']}, {pub['failed']})"
+            if pub["n"]
+            else "—"
+        )
         lines.append(
             f"| {p['peer']} | {p['exit_code']} | {p['steps']} | {sha} | {p['stall_s']} | {rounds} | "
-            f"{p['wall_s']} | {p['max_send_q']} | {seen} |"
+            f"{p['wall_s']} | {p['max_send_q']} | {seen} | {p['off_board'][0]} / {p['off_board'][1]} | "
+            f"{p['gone_claims']} | {publish}{' | lost the DHT' if p['lost_dht'] else ''} |"
         )
     probe = result.get("dht_probe") or []
     if probe:

@@ -244,38 +244,96 @@ class Peer:
             bytes_sent=ex.stats.bytes_sent if ex else 0,
         )
 
-    async def _refresh(self, board: Board) -> None:
+    async def _refresh(self, board: Board, publish: bool = True, read: bool = True) -> None:
         """Publish this peer's record and update the view of the others. A peer stays in the view
-        until it has been missing for a whole record lifetime: a DHT read under load can miss a
-        live record, and a leader must not form a round without a peer that is still there."""
-        run_info = {"algo": self.cfg.algo, "model": self.cfg.model, "workers": self.cfg.workers}
-        await board.publish(self._record(), run_info)
+        for its record's lifetime (the one it published, at least ours) after it was last read: a
+        DHT read under load can miss a live record, and a leader must not form a round without a
+        peer that is still there."""
+        if publish:
+            run_info = {"algo": self.cfg.algo, "model": self.cfg.model, "workers": self.cfg.workers}
+            await board.publish(self._record(), run_info)
+        if not read:
+            return
         fresh = await board.peers()
         now = time.monotonic()
         self.last_seen.update(dict.fromkeys(fresh, now))
         view = {**self.view, **fresh}
-        self.view = {p: r for p, r in view.items() if now - self.last_seen[p] <= board.ttl_s}
+        self.view = {p: r for p, r in view.items() if now - self.last_seen[p] <= max(board.ttl_s, r.ttl_s)}
 
     async def _heartbeat(self, board: Board) -> None:
-        """Keep this peer on the board; give up once the DHT has failed for a whole record lifetime."""
-        last_ok = time.monotonic()
-        while True:
-            await asyncio.sleep(self.opts.heartbeat_s)
-            try:
-                await self._refresh(board)
-                last_ok = time.monotonic()
-            except ConnectionError as exc:
-                if time.monotonic() - last_ok > board.ttl_s:
+        """Keep this peer on the board and its view fresh without ever waiting on a slow DHT call.
+
+        Each beat starts a publish unless one is still in flight (a slow store is never cancelled to
+        start the next one: it is skipped instead), and a read unless one is in flight. The peer
+        gives up only when no publish has reached another node, or no read has succeeded, for
+        ``board.give_up_s`` (max(60 s, 4 record lifetimes)), long after the others dropped it."""
+        publishing: asyncio.Task[None] | None = None
+        reading: asyncio.Task[None] | None = None
+        read_ok = time.monotonic()
+        last_error = "none"
+        summary_at = time.monotonic()
+        lapsed_warned = False
+        try:
+            while True:
+                await asyncio.sleep(self.opts.heartbeat_s)
+                if not board.dht.is_alive():  # not congestion: nothing will answer again
                     raise UserError(
-                        f"lost the swarm's DHT for {time.monotonic() - last_ok:.0f} s ({exc}); this peer "
-                        "can no longer train with the others"
-                    ) from None
-                log.warning("notice board unreachable: %s", exc)
+                        "lost the swarm's DHT: its process has died; this peer can no longer train with "
+                        "the others"
+                    )
+                for task in (publishing, reading):
+                    if task is not None and task.done() and (exc := task.exception()) is not None:
+                        if not isinstance(exc, ConnectionError):
+                            raise exc
+                        last_error = str(exc)
+                        log.warning("notice board unreachable: %s", exc)
+                    elif task is reading and task is not None and task.done():
+                        read_ok = time.monotonic()
+                if publishing is not None and publishing.done():
+                    publishing = None
+                if reading is not None and reading.done():
+                    reading = None
+                if publishing is None and not board.publishing:
+                    publishing = asyncio.create_task(self._refresh(board, read=False))
+                else:
+                    board.skipped += 1
+                if reading is None:
+                    reading = asyncio.create_task(self._refresh(board, publish=False))
+                now = time.monotonic()
+                silent, blind = now - board.landed_at, now - read_ok
+                if max(silent, blind) > board.give_up_s:
+                    what = (
+                        f"no publish reached another node for {silent:.0f} s"
+                        if silent > board.give_up_s
+                        else f"no read of the board succeeded for {blind:.0f} s"
+                    )
+                    raise UserError(
+                        f"lost the swarm's DHT: {what} (the limit is max(60 s, 4 record lifetimes) = "
+                        f"{board.give_up_s:.0f} s; last error: {last_error}); the others no longer see "
+                        "this peer, so it can no longer train with them"
+                    )
+                if silent > board.landed_lifetime_s and not lapsed_warned:
+                    log.warning(
+                        "no publish reached another node for %.0f s: this peer's record (lifetime %.0f s) "
+                        "has probably lapsed on the others' boards",
+                        silent,
+                        board.landed_lifetime_s,
+                    )
+                lapsed_warned = silent > board.landed_lifetime_s
+                if now - summary_at >= 30:
+                    log.info("notice board: %s", board.stats())
+                    summary_at = now
+        finally:
+            for task in (publishing, reading):
+                if task is not None:
+                    task.cancel()
+            log.info("notice board: %s", board.stats())
 
     def _check_swarm(self) -> None:
-        """Raise what ended the heartbeat, if it has ended."""
-        if self.heartbeat is not None and self.heartbeat.done() and not self.heartbeat.cancelled():
-            self.heartbeat.result()
+        """Raise what ended the heartbeat or the lapse watchdog (they end only with an error)."""
+        for task in (self.heartbeat, getattr(self, "watchdog", None)):
+            if task is not None and task.done() and not task.cancelled():
+                task.result()
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> None:
         """Block until --workers peers of this run are live, then settle this peer's data shard."""

@@ -139,6 +139,32 @@ def start_dht(
         raise UserError(f"cannot start the DHT on {host}:{port} ({detail}): is the port free?") from None
 
 
+SEARCH_ROUNDS = 2  # a search asks the nodes it knows, then those they name (all known, in a small swarm)
+STORE_ROUNDS = 1  # then the nearest nodes store in parallel (num_replicas covers every node here)
+PIPE_MARGIN_S = 1.0  # the DHT process's pipe and event loop
+
+
+def rpc_timeout_s() -> float:
+    """hivemind's per-request timeout (``DHTNode.create``'s ``wait_timeout``; start_dht keeps it)."""
+    import inspect
+
+    from hivemind.dht.node import DHTNode
+
+    default = inspect.signature(DHTNode.create).parameters["wait_timeout"].default
+    return float(default) if isinstance(default, (int, float)) else 3.0
+
+
+def store_limit_s() -> float:
+    """How long hivemind itself may take for one store or get before it gives up on every replica.
+
+    A store (hivemind 1.1.12 ``DHTNode.store_many``) first runs a beam search (``rpc_find``, rounds
+    of parallel requests, each bounded by ``wait_timeout``) and then ``rpc_store`` to the nearest
+    nodes in parallel, also bounded by ``wait_timeout``; a get is the same search. So 2 search rounds
+    + 1 store round of 3 s, + 1 s for the DHT process's pipe: 10 s. Cancelling earlier throws away
+    a store that would still land; see docs/thin-link.md."""
+    return (SEARCH_ROUNDS + STORE_ROUNDS) * rpc_timeout_s() + PIPE_MARGIN_S
+
+
 def remove_dead_sockets(paths: set[Path], settle_s: float = 5.0) -> None:
     """Remove the socket files among ``paths`` once nobody listens on them.
 

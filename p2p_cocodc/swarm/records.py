@@ -5,6 +5,10 @@ that is not refreshed expires, and that is how the others learn a peer has gone.
 below the ~15 KiB where hivemind's DHT pipe can wedge (see research/hivemind_probe.md), and every
 call has a deadline, because a wedged DHT process would otherwise hang its caller forever.
 Records from other peers are untrusted: a malformed one is dropped, never raised into the loop.
+
+A record's lifetime follows how long this peer's publishes take (see docs/thin-link.md): 8 heartbeats
+on a healthy link, longer while fragment transfers slow the DHT's requests down; each record says
+its lifetime, so readers keep the writer in their views exactly that long after they last read it.
 """
 
 from __future__ import annotations
@@ -12,16 +16,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.swarm.dht import store_limit_s
 
 log = logging.getLogger(__name__)
 
 RUNS_KEY = "p2p-cocodc.runs"
 STATES = ("waiting", "training", "done", "leaving")
 MAX_FRAGMENTS = 4096
+LIFETIME_FACTOR = 3  # a record lives 3x the slowest recent publish: the next one lands before it lapses
+RECENT_PUBLISHES = 30  # the publishes that set the lifetime (about the last 30-60 s)
+MAX_LIFETIME_S = 120.0  # a longer lifetime is not believed from a record, nor written
+GIVE_UP_S = 60.0  # with no publish landing for max(this, 4 lifetimes), the peer has lost the DHT
+GIVE_UP_LIFETIMES = 4
 
 
 def peers_key(run_id: str) -> str:
@@ -48,6 +60,7 @@ class PeerRecord:
     versions: list[int] = field(default_factory=list)
     stall_s: float = 0.0
     bytes_sent: int = 0
+    ttl_s: float = 8.0  # the record's lifetime: how long readers keep this peer after they last read it
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,12 +72,13 @@ class PeerRecord:
             return None
         v = value
         ints = (v["step"], v["num_shards"], v["bytes_sent"])
-        floats = (v["step_time_s"], v["bandwidth_mbps"], v["stall_s"])
+        floats = (v["step_time_s"], v["bandwidth_mbps"], v["stall_s"], v["ttl_s"])
         ok = (
             v["state"] in STATES
             and all(_is_int(i) and i >= 0 for i in ints)
             and (v["shard"] is None or (_is_int(v["shard"]) and 0 <= v["shard"] < v["num_shards"]))
             and all(_is_number(x) and x >= 0 for x in floats)
+            and 0 < v["ttl_s"] <= MAX_LIFETIME_S
             and isinstance(v["fingerprint"], str)
             and len(v["fingerprint"]) <= 64
             and isinstance(v["versions"], list)
@@ -83,29 +97,125 @@ def _is_number(x: Any) -> bool:
 
 
 class Board:
-    """Publish this peer's record and read everyone's, each call bounded by ``timeout``."""
+    """Publish this peer's record and read everyone's.
 
-    def __init__(self, dht: Any, run_id: str, peer_id: str, ttl_s: float, timeout: float = 5.0) -> None:
+    Every call is bounded by ``timeout``, which by default is hivemind's own worst case for a store
+    or a get (``store_limit_s``), so a call is cancelled only once hivemind itself would have given
+    up. At most one publish runs at a time (``publishing``): a caller that publishes while one is in
+    flight waits for it, and the heartbeat skips a beat instead. A publish counts only once a node
+    other than this one accepted the record: hivemind reports a copy kept only locally as success.
+    """
+
+    def __init__(
+        self, dht: Any, run_id: str, peer_id: str, ttl_s: float, timeout: float | None = None
+    ) -> None:
         self.dht = dht
         self.run_id = run_id
         self.peer_id = peer_id
-        self.ttl_s = ttl_s
-        self.timeout = timeout
+        self.ttl_s = ttl_s  # the record lifetime on a healthy link (the shortest one)
+        self.timeout = store_limit_s() if timeout is None else timeout
+        self.recent: deque[float] = deque(maxlen=RECENT_PUBLISHES)  # seconds; a failure counts as timeout
+        self.took: list[float] = []  # every publish's duration in this run, failures included
+        self.failed = 0
+        self.skipped = 0  # heartbeats that found a publish still in flight
+        self.landed_at = time.monotonic()  # when a publish last reached another node (start: now)
+        self.landed_lifetime_s = ttl_s  # the lifetime that publish carried
+        self._lock: asyncio.Lock | None = None
+        self._expires = 0.0  # the DHT expiration of the latest record sent
 
-    async def publish(self, record: PeerRecord, run_info: dict[str, Any] | None = None) -> None:
+    @property
+    def lifetime_s(self) -> float:
+        """The lifetime the next record carries: max(base, 3x the slowest of the recent publishes)."""
+        slowest = max(self.recent, default=0.0)
+        return min(MAX_LIFETIME_S, max(self.ttl_s, LIFETIME_FACTOR * slowest))
+
+    @property
+    def give_up_s(self) -> float:
+        """With no publish landing for this long, the others no longer see this peer: it stops."""
+        return max(GIVE_UP_S, GIVE_UP_LIFETIMES * self.lifetime_s)
+
+    @property
+    def publishing(self) -> bool:
+        return self._lock is not None and self._lock.locked()
+
+    async def publish(self, record: PeerRecord, run_info: dict[str, Any] | None = None) -> float:
+        """Store the record (with its lifetime) on the board; seconds it took, or ConnectionError."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            return await self._publish(record, run_info)
+
+    async def _publish(self, record: PeerRecord, run_info: dict[str, Any] | None) -> float:
         from hivemind.utils import get_dht_time
 
-        expires = get_dht_time() + self.ttl_s
+        lifetime = self.lifetime_s
+        record = replace(record, ttl_s=lifetime)
+        # hivemind keeps a subkey's value with the latest expiration: a record must never expire
+        # before the one it replaces, or the store is rejected (when the lifetime shrinks)
+        expires = max(get_dht_time() + lifetime, self._expires + 1e-3)
+        self._expires = expires
         stores = [(peers_key(self.run_id), self.peer_id, record.to_wire())]
         if run_info is not None:
             stores.append((RUNS_KEY, self.run_id, run_info))
-        await asyncio.gather(
-            *(
-                self._bounded(
-                    self.dht.store(key, value, expires, subkey=subkey, return_future=True), f"store {key}"
+        started = time.monotonic()
+        try:
+            # exclude_self: the result then says whether another node took the record. The search
+            # and the stores end at the first replica that accepted it (the others go on in the
+            # DHT process, each bounded by hivemind's request timeout), so one replica behind a
+            # congested connection does not hold the heartbeat back.
+            results = await asyncio.gather(
+                *(
+                    self._bounded(
+                        self.dht.store(
+                            key,
+                            value,
+                            expires,
+                            subkey=subkey,
+                            return_future=True,
+                            exclude_self=True,
+                            await_all_replicas=False,
+                            await_all_tasks=False,
+                        ),
+                        f"store {key}",
+                    )
+                    for key, subkey, value in stores
                 )
-                for key, subkey, value in stores
             )
+        except ConnectionError:
+            self._count(self.timeout, ok=False)
+            raise
+        took = time.monotonic() - started
+        self._count(took, ok=bool(results[0]))
+        if not results[0]:
+            raise ConnectionError(
+                f"DHT store {peers_key(self.run_id)} reached no other node in {took:.1f} s (at most a "
+                "local copy was kept)"
+            )
+        self.landed_at = time.monotonic()
+        self.landed_lifetime_s = lifetime
+        log.info("board publish: %.2f s, ok, lifetime %.0f s", took, lifetime)
+        return took
+
+    def _count(self, took: float, ok: bool) -> None:
+        self.recent.append(took)
+        self.took.append(took)
+        if not ok:
+            self.failed += 1
+            log.info("board publish: %.2f s, failed, lifetime %.0f s", took, self.lifetime_s)
+
+    def stats(self) -> str:
+        """Publish latency percentiles so far, for the log."""
+        took = sorted(self.took)
+        if not took:
+            return "no publishes yet"
+
+        def pct(q: float) -> float:
+            return took[min(len(took) - 1, int(q * len(took)))]
+
+        return (
+            f"{len(took)} publishes, p50 {pct(0.5):.2f} s, p90 {pct(0.9):.2f} s, p99 {pct(0.99):.2f} s, "
+            f"max {took[-1]:.2f} s, {self.failed} failed, {self.skipped} heartbeats skipped; record "
+            f"lifetime {self.lifetime_s:.0f} s"
         )
 
     async def peers(self) -> dict[str, PeerRecord]:
