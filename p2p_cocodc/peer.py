@@ -152,9 +152,11 @@ class Peer:
         self.versions = [0] * len(self.strategy.fragments) if isinstance(self.strategy, Strategy) else [0]
         self.pending: dict[int, asyncio.Task[torch.Tensor]] = {}
         self.failed_in_a_row = 0  # syncs that failed since the last one that completed
+        self.run_log: RunLog | None = None
         self.shard_index: int | None = opts.shard[0] if opts.shard else None
         self.exchange: FragmentExchange | None = None
         self.heartbeat: asyncio.Task[None] | None = None
+        self.watchdog: asyncio.Task[None] | None = None
 
     # ---- lifecycle ----
 
@@ -192,6 +194,7 @@ class Peer:
             await self._refresh(board)
             await self._wait_for_start(stop)
             leave = asyncio.create_task(self._leave_when(stop, board))
+            self.watchdog = asyncio.create_task(self._watch_for_lapse(board))
             try:
                 summary = await self._train(log_file, stop, progress)
             finally:
@@ -208,8 +211,9 @@ class Peer:
         except ConnectionError as exc:
             raise UserError(f"the swarm's DHT does not answer ({exc}); is the bootstrap still up?") from None
         finally:
-            if self.heartbeat is not None:
-                self.heartbeat.cancel()
+            for task in (self.heartbeat, self.watchdog):
+                if task is not None:
+                    task.cancel()
             for task in self.pending.values():
                 task.cancel()
             self.train_pool.shutdown(wait=True, cancel_futures=True)
@@ -219,11 +223,29 @@ class Peer:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
+    async def _watch_for_lapse(self, board: Board) -> None:
+        """Notice that this process was stopped (SIGSTOP, a suspended VM, swap) for longer than its
+        record lives: the others have taken it for gone and gone on without it, so it must not
+        carry on as if it were still in their rounds."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.opts.heartbeat_s)
+            now = time.monotonic()
+            if now - last > board.ttl_s - self.opts.heartbeat_s:  # its last record may have lapsed
+                raise UserError(
+                    f"this peer was stopped for {now - last:.0f} s, longer than its board record lives "
+                    f"({board.ttl_s:.0f} s): the swarm has gone on without it and its θ̄ is behind, so it "
+                    "stops (a peer cannot rejoin a run in progress yet)"
+                )
+            last = now
+
     async def _leave_when(self, stop: asyncio.Event, board: Board) -> None:
         """On SIGINT/SIGTERM, say so on the board at once: new rounds form without this peer (not
         after its record lapses), while the rounds it is in still complete."""
         await stop.wait()
         self.state = "leaving"
+        if self.exchange is not None:
+            await self.exchange.say_bye()
         try:
             await self._refresh(board)
         except ConnectionError as exc:
@@ -331,7 +353,7 @@ class Peer:
 
     def _check_swarm(self) -> None:
         """Raise what ended the heartbeat or the lapse watchdog (they end only with an error)."""
-        for task in (self.heartbeat, getattr(self, "watchdog", None)):
+        for task in (self.heartbeat, self.watchdog):
             if task is not None and task.done() and not task.cancelled():
                 task.result()
 
@@ -409,6 +431,7 @@ class Peer:
     async def _train(self, log_file: RunLog, stop: asyncio.Event, progress: Any) -> dict[str, Any]:
         cfg = self.cfg
         assert self.shard_index is not None and self.exchange is not None
+        self.run_log = log_file
         shard = self.setup.shard(self.shard_index, cfg.workers)
         started = time.perf_counter()
         train_losses: list[float] = []
@@ -451,6 +474,7 @@ class Peer:
             rounds_done=stats.rounds_done,
             rounds_failed=stats.rounds_failed,
             bytes_resent=stats.bytes_resent,
+            bytes_served=stats.bytes_served,
             peer_id=self.peer_id,
             shard=self.shard_index,
         )
@@ -473,9 +497,11 @@ class Peer:
                 ) from None
             except RoundFailed as exc:
                 log.warning("gradient all-reduce of step %d failed (%s); step skipped", step, exc)
+                self._record_round(f"g:{step}", completed=False)
                 return loss
             finally:
                 self.stall_s += time.perf_counter() - started
+            self._record_round(f"g:{step}", completed=True)
             self.strategy.apply_gradients(averaged)
             await self._in_train_thread(self.trainer.update, step)
         if not torch.isfinite(torch.tensor(loss)):
@@ -494,22 +520,35 @@ class Peer:
             task = self.pending[p]
             waited = time.perf_counter()
             stopping = asyncio.ensure_future(stop.wait())
-            try:  # a signal is honoured while a sync is still running: the run ends here
-                await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            guards = {t for t in (self.heartbeat, self.watchdog) if t is not None}
+            try:  # a signal, or a lost swarm, is noticed while a sync is still running
+                await asyncio.wait({task, stopping, *guards}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 stopping.cancel()
                 self.stall_s += time.perf_counter() - waited
+            self._check_swarm()
             if not task.done():
                 return
             del self.pending[p]
+            round_id = f"f{p}:{self.strategy.in_flight[p].sent_step}"
             try:
                 averaged = task.result()
             except RoundFailed as exc:
                 self._sync_failed(p, step, exc)
+                self._record_round(round_id, completed=False)
                 continue
             self.failed_in_a_row = 0
+            self._record_round(round_id, completed=True)
             self.strategy.apply(p, averaged, step)
             self.versions[p] += 1
+
+    def _record_round(self, round_id: str, completed: bool) -> None:
+        """One record in --out for every sync this peer settles: the round's group (data shards, in
+        member order) and whether it completed. ``simulate --events`` replays them."""
+        assert self.exchange is not None and self.run_log is not None
+        members = list(self.exchange.groups.get(round_id, ())) if completed else []
+        record = {"kind": "round", "round": round_id, "step": self.step, "members": members}
+        self.run_log.write({**record, "completed": completed})
 
     def _sync_failed(self, p: int, step: int, exc: RoundFailed) -> None:
         """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one

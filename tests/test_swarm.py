@@ -62,6 +62,7 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
             if algo == "cocodc" or i == 0:  # streaming: peers 1 and 2 pick the free shards themselves
                 args += ["--shard", f"{i}/3"]
             args += ["--out", f"peer{i}.jsonl", "--save", f"peer{i}.safetensors", "--run-id", f"t-{algo}"]
+            args += ["--verbose"]
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
         sim = run_cli(
             ["simulate", "--algo", algo, *TINY, "--out", "sim.jsonl", "--save", "sim.safetensors"],
@@ -205,6 +206,66 @@ def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
     assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 1, logs
     # nobody waited for the leaver's record to lapse (8 s) and then for a round's deadline
     assert all(s["stall_s"] < 8.0 for s in summaries), [s["stall_s"] for s in summaries]
+    # the simulator replays the rounds a survivor recorded (groups without the leaver) to the same θ̄
+    replay = ["simulate", "--algo", "cocodc", *TINY, "--steps", "96", "--events", f"peer{stayers[0]}.jsonl"]
+    sim = run_cli([*replay, "--out", "replay.jsonl"], tmp_path, timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    replayed = records(tmp_path / "replay.jsonl")[-1]
+    assert replayed["global_params_sha256"] == summaries[0]["global_params_sha256"]
+
+
+def board_peers(boot_status: str, run_id: str) -> dict:
+    with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
+        return json.load(reply)["runs"].get(run_id, {}).get("peers", {})
+
+
+def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_path: Path) -> None:
+    """The round leader is frozen (SIGSTOP: a suspended VM, swap, a debugger) until its record has
+    lapsed, then resumed: the others go on without it, and it notices on waking that it was away and
+    stops with an error, instead of leading rounds alone and ending with another θ̄ (it cannot
+    rejoin a run in progress yet)."""
+    boot = start_bootstrap(tmp_path)
+    peers = []
+    try:
+        for i in range(3):
+            args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "160"]
+            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "frozen", "--verbose"]
+            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
+        outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
+        wait_for(lambda: all(o.exists() and len(records(o)) >= 3 for o in outs), 120, "training")
+        frozen = round_leader_shard(boot.host_port, "frozen")
+        others = [i for i in range(3) if i != frozen]
+        peers[frozen].send_signal(signal.SIGSTOP)
+        try:
+            def lapsed() -> bool:  # the others are listed, the frozen one no more
+                listed = {p["shard"] for p in board_peers(boot.host_port, "frozen").values()}
+                return set(others) <= listed and frozen not in listed
+
+            wait_for(lapsed, 60, "the frozen peer's record to lapse from the board")
+            at_lapse = [len(records(outs[i])) for i in others]
+            wait_for(  # the others go on without it
+                lambda: all(len(records(outs[i])) >= n + 2 for i, n in zip(others, at_lapse, strict=True)),
+                120,
+                "the others to train on",
+            )
+        finally:
+            peers[frozen].send_signal(signal.SIGCONT)
+        frozen_code = peers[frozen].wait(timeout=120)
+        for i in others:
+            assert peers[i].wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
+    finally:
+        for proc in [*peers, boot.proc]:
+            end_group(proc)
+
+    frozen_log = (tmp_path / f"peer{frozen}.log").read_text()
+    assert frozen_code != 0 and "was stopped for" in frozen_log, frozen_log[-3000:]
+    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in others]
+    logs = "\n".join((tmp_path / f"peer{i}.log").read_text()[-6000:] for i in others)
+    assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"], logs
+    assert all(s["kind"] == "summary" and s["steps"] == 160 for s in summaries)
+    assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 2, logs
+    # they waited for the frozen leader only until its record lapsed, about one record lifetime
+    assert all(s["stall_s"] < 30.0 for s in summaries), [s["stall_s"] for s in summaries]
 
 
 def test_killed_peer_leaves_no_process_behind(tmp_path: Path) -> None:

@@ -34,7 +34,16 @@ from typing import Any
 import torch
 
 from p2p_cocodc.codecs import Codec
-from p2p_cocodc.swarm.messages import Ack, Code, Message, Status, StatusReply, parse_message, payload_bytes
+from p2p_cocodc.swarm.messages import (
+    Ack,
+    Bye,
+    Code,
+    Message,
+    Status,
+    StatusReply,
+    parse_message,
+    payload_bytes,
+)
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round import (
     BoardPeer,
@@ -81,6 +90,7 @@ class RoundLost(RoundFailed):
 class ExchangeStats:
     bytes_sent: int = 0  # tensor bytes of every delivery, once (the butterfly's traffic)
     bytes_resent: int = 0  # the same deliveries sent again after a lost or unacknowledged copy
+    bytes_served: int = 0  # averages served to peers left out of a round or recovering from it
     rounds_done: int = 0
     rounds_failed: int = 0
     messages_received: int = 0  # frames from other peers, well-formed or not
@@ -123,6 +133,7 @@ class FragmentExchange:
         self.open: dict[str, RoundMachine] = {}
         self.finished: OrderedDict[str, RoundMachine] = OrderedDict()
         self.waiting: dict[str, asyncio.Future[Any]] = {}
+        self.groups: dict[str, tuple[int, ...]] = {}  # completed rounds -> their members' data shards
         self.stats = ExchangeStats()
         self.sending: dict[tuple[str, str, int, int], asyncio.Task[None]] = {}
         self.sent_once: dict[str, set[tuple[str, str, int, int]]] = {}  # round -> deliveries sent
@@ -130,6 +141,7 @@ class FragmentExchange:
         self.view: dict[str, BoardPeer] = {}
         self.link_turns: dict[str, asyncio.Lock] = {}  # peer -> whose turn it is to send it bulk data
         self.acks_awaited: dict[tuple[str, str, int, int], asyncio.Event] = {}
+        self.said_bye: set[str] = set()  # peers that told us they are leaving the run
         self.opened_by: dict[str, set[str]] = {}  # peers not on our board -> rounds they opened here
         self.promised: OrderedDict[str, bool] = OrderedDict()  # expired rounds we promised to stay out of
         self.ticker: asyncio.Task[None] | None = None
@@ -154,6 +166,13 @@ class FragmentExchange:
         except Exception:  # noqa: BLE001 - the daemon may already be gone at shutdown
             log.debug("could not remove the stream handler", exc_info=True)
 
+    async def say_bye(self) -> None:
+        """Tell every peer on the board that this one is leaving (the board says so too, but a
+        record takes a heartbeat or more to reach every reader): new rounds form without it."""
+        sends = [asyncio.ensure_future(self._write(peer, Bye("-"))) for peer in self._board()]
+        if sends:
+            await asyncio.wait(sends, timeout=MESSAGE_TIMEOUT_S / 10)
+
     # ---- the facade ----
 
     async def allreduce(self, round_id: str, vector: torch.Tensor, step: int) -> torch.Tensor:
@@ -171,6 +190,9 @@ class FragmentExchange:
             self.waiting.pop(round_id, None)
         if isinstance(result, Completed):
             self.stats.rounds_done += 1
+            self.groups[round_id] = tuple(shard for _, shard in result.members)
+            if len(self.groups) > MAX_FINISHED:
+                del self.groups[next(iter(self.groups))]
             return result.average
         self.stats.rounds_failed += 1
         if isinstance(result, Lost):
@@ -185,7 +207,7 @@ class FragmentExchange:
             peer: BoardPeer(
                 record.step,
                 record.step_time_s,
-                leaving=record.state == "leaving",
+                leaving=record.state == "leaving" or peer in self.said_bye,
                 done=record.state == "done",
             )
             for peer, record in self.board_view().items()
@@ -197,6 +219,7 @@ class FragmentExchange:
     def _machine(self, round_id: str) -> RoundMachine:
         machine = self.open.get(round_id) or self.finished.get(round_id)
         if machine is None:
+            self.view = self._board()  # as the board is now, not at the last tick
             machine = RoundMachine(
                 self.peer_id,
                 round_id,
@@ -284,7 +307,9 @@ class FragmentExchange:
             return
         first = key not in self.sent_once.setdefault(message.round_id, set())
         self.sent_once[message.round_id].add(key)
-        if first:
+        if message.code == Code.AVERAGE:
+            self.stats.bytes_served += payload_bytes(message)
+        elif first:
             self.stats.bytes_sent += payload_bytes(message)
         else:
             self.stats.bytes_resent += payload_bytes(message)
@@ -351,6 +376,13 @@ class FragmentExchange:
 
     def receive(self, sender: str, message: Message) -> None:
         """Feed one message to its round's machine, opening the round only for a live peer of ours."""
+        if isinstance(message, Bye):  # not about a round: every open round learns it at once
+            if sender not in self.said_bye and sender in self._board():
+                self.said_bye.add(sender)
+                self.view = self._board()
+                for round_id, machine in list(self.open.items()):
+                    self._feed(round_id, machine, ViewChanged(self.view))
+            return
         round_id = message.round_id
         if isinstance(message, Ack):
             awaited = self.acks_awaited.get((sender, round_id, int(message.kind), message.index))

@@ -17,6 +17,7 @@ type-checked and bounded, and anything else is a ``BadMessage`` naming what was 
 | FETCH | ask, members | "give me the average" (a left-out peer, or one whose all-reduce failed; its group) |
 | AVERAGE | members, numel, data | the round's average, fp32, bit-exact |
 | STATUS | status, detail, ask | where the round stands here, when that is the whole answer (see ``Status``) |
+| BYE | | the sender is leaving the run (round "-"): it joins no new group, finishes what it is in |
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Code(IntEnum):
     FETCH = 8
     AVERAGE = 9
     STATUS = 10
+    BYE = 11
 
 
 class Status(IntEnum):
@@ -161,6 +163,11 @@ class StatusReply(Message):
         return {"status": int(self.status), "detail": self.detail, "ask": self.ask}
 
 
+@dataclass(frozen=True)
+class Bye(Message):
+    code: ClassVar[Code] = Code.BYE
+
+
 def payload_bytes(message: Message) -> int:
     """Bytes of tensor data a message carries (what deadlines allow transfer time for)."""
     return len(getattr(message, "data", b""))
@@ -182,6 +189,8 @@ def parse_message(body: Any) -> Message:
         if not _is_index(shard) or not isinstance(fingerprint, str) or len(fingerprint) > 64:
             raise BadMessage(f"{code.name} needs an int 'shard' ≥ 0 and a short string 'fingerprint'")
         return (Join if code == Code.JOIN else Probe)(round_id, shard, fingerprint)
+    if code == Code.BYE:
+        return Bye(round_id)
     if code == Code.LEADER:
         return Leader(round_id, _peer_id(body.get("leader"), "leader"))
     if code == Code.FETCH:

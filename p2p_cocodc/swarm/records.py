@@ -122,6 +122,7 @@ class Board:
         self.landed_lifetime_s = ttl_s  # the lifetime that publish carried
         self._lock: asyncio.Lock | None = None
         self._expires = 0.0  # the DHT expiration of the latest record sent
+        self._published_state: str | None = None  # the state of the last record that landed
 
     @property
     def lifetime_s(self) -> float:
@@ -157,12 +158,16 @@ class Board:
         stores = [(peers_key(self.run_id), self.peer_id, record.to_wire())]
         if run_info is not None:
             stores.append((RUNS_KEY, self.run_id, run_info))
+        # a change of state (training, leaving, done) must reach every replica before the call
+        # returns: a peer that leaves shuts its DHT down right after, which would cut the stores
+        # still going on in the background, and readers would see "training" until it lapsed
+        everywhere = record.state != self._published_state
         started = time.monotonic()
         try:
-            # exclude_self: the result then says whether another node took the record. The search
-            # and the stores end at the first replica that accepted it (the others go on in the
-            # DHT process, each bounded by hivemind's request timeout), so one replica behind a
-            # congested connection does not hold the heartbeat back.
+            # exclude_self: the result then says whether another node took the record. A
+            # heartbeat's search and stores end at the first replica that accepted it (the others
+            # go on in the DHT process, each bounded by hivemind's request timeout), so one replica
+            # behind a congested connection does not hold the heartbeat back.
             results = await asyncio.gather(
                 *(
                     self._bounded(
@@ -173,8 +178,8 @@ class Board:
                             subkey=subkey,
                             return_future=True,
                             exclude_self=True,
-                            await_all_replicas=False,
-                            await_all_tasks=False,
+                            await_all_replicas=everywhere,
+                            await_all_tasks=everywhere,
                         ),
                         f"store {key}",
                     )
@@ -193,6 +198,7 @@ class Board:
             )
         self.landed_at = time.monotonic()
         self.landed_lifetime_s = lifetime
+        self._published_state = record.state
         log.info("board publish: %.2f s, ok, lifetime %.0f s", took, lifetime)
         return took
 
