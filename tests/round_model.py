@@ -25,6 +25,7 @@ from p2p_cocodc.swarm.round import (
     Compute,
     Deadlines,
     Failed,
+    Leaving,
     Lost,
     Received,
     RoundMachine,
@@ -277,6 +278,8 @@ class World:
                 self.dead.add(what[1])  # type: ignore[index]
             elif kind == "leave":
                 self.leaving.add(what[1])  # type: ignore[index]
+                if what[1] in self.machines:  # type: ignore[index]
+                    self.feed(what[1], Leaving())  # type: ignore[index]
             elif kind == "views":
                 self.broadcast_views()
             elif kind == "tick":
@@ -355,14 +358,16 @@ class World:
         late = {p: t for p, t in self.settled_at.items() if p in live and t > bound}
         if late:
             return f"peers settled after the bound {bound:.0f} s: {late}"
-        if not self.plan.faults:
+        if not self.plan.crash_at and not self.plan.drop:  # a leave is no fault: it finishes its rounds
             full = tuple(sorted(self.plan.ids))
             for p in live:
                 o = self.outcomes[p]
                 if not isinstance(o, Completed):
                     reason = o.reason if isinstance(o, Failed | Lost) else o
-                    return f"no faults, yet {p[:6]} did not complete: {reason}"
-                on_time = max(self.plan.start_at.values()) < 5 and not self.plan.view_lag
+                    return f"no crash and no lost message, yet {p[:6]} did not complete: {reason}"
+                on_time = (
+                    max(self.plan.start_at.values()) < 5 and not self.plan.view_lag and not self.plan.leave_at
+                )
                 if tuple(sorted(m for m, _ in o.members)) != full and on_time:
                     return f"no faults and everyone on time, yet the group was {o.members}"
         return None

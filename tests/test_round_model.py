@@ -9,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from p2p_cocodc.swarm.messages import Members, Part, Status
+from p2p_cocodc.swarm.messages import Members, Status
 from p2p_cocodc.swarm.round import Effect, Phase, RoundMachine
 from tests.round_model import draw_plan, explore
 
@@ -69,15 +69,6 @@ class AdoptsALaterGroup(RoundMachine):
         super()._on_group(sender, members, now, out)
 
 
-class IgnoresMemberLists(RoundMachine):
-    """Takes a slice from any member, whatever member list the delivery was sent for."""
-
-    def _on_delivery(self, sender: str, msg: Part, now: float, out: list[Effect]) -> None:
-        if self.members is not None and msg.members != self.members:
-            msg = type(msg)(msg.round_id, self.members, msg.index, msg.numel, msg.data)
-        super()._on_delivery(sender, msg, now, out)
-
-
 class TakesBusyForFinal(RoundMachine):
     """Recovering, counts a peer that is still in the round (BUSY) as one that failed it."""
 
@@ -88,20 +79,8 @@ class TakesBusyForFinal(RoundMachine):
         super()._record_answer(sender, Status.FAILED if status == Status.BUSY else status, msg, now)
 
 
-class FormsWithoutAskingTheOthers(RoundMachine):
-    """Leads a group without asking the peers that did not join (recovering, leaving) what they
-    hold, at the deadline or before it."""
-
-    def _others_answered(self, missing: set[str], now: float, out: list[Effect]) -> bool:
-        return True
-
-    def _last_probes_answered(self, missing: set[str], now: float, out: list[Effect]) -> bool:
-        return True
-
-
 VARIANTS: dict[str, type[RoundMachine]] = {
-    cls.__name__: cls
-    for cls in (AdoptsALaterGroup, IgnoresMemberLists, TakesBusyForFinal, FormsWithoutAskingTheOthers)
+    cls.__name__: cls for cls in (AdoptsALaterGroup, TakesBusyForFinal)
 }
 
 

@@ -52,6 +52,7 @@ from p2p_cocodc.swarm.round import (
     Deadlines,
     Event,
     Failed,
+    Leaving,
     Lost,
     Note,
     Phase,
@@ -142,6 +143,7 @@ class FragmentExchange:
         self.link_turns: dict[str, asyncio.Lock] = {}  # peer -> whose turn it is to send it bulk data
         self.acks_awaited: dict[tuple[str, str, int, int], asyncio.Event] = {}
         self.said_bye: set[str] = set()  # peers that told us they are leaving the run
+        self.leaving = False  # this peer is leaving: it joins no new group
         self.opened_by: dict[str, set[str]] = {}  # peers not on our board -> rounds they opened here
         self.promised: OrderedDict[str, bool] = OrderedDict()  # expired rounds we promised to stay out of
         self.ticker: asyncio.Task[None] | None = None
@@ -169,6 +171,9 @@ class FragmentExchange:
     async def say_bye(self) -> None:
         """Tell every peer on the board that this one is leaving (the board says so too, but a
         record takes a heartbeat or more to reach every reader): new rounds form without it."""
+        self.leaving = True
+        for round_id, machine in list(self.open.items()):
+            self._feed(round_id, machine, Leaving())
         sends = [asyncio.ensure_future(self._write(peer, Bye("-"))) for peer in self._board()]
         if sends:
             await asyncio.wait(sends, timeout=MESSAGE_TIMEOUT_S / 10)
@@ -230,7 +235,7 @@ class FragmentExchange:
                 self.view,
                 time.monotonic(),
             )
-            machine.gave_round_up = round_id in self.promised
+            machine.gave_round_up = round_id in self.promised or self.leaving
             self.open[round_id] = machine
         return machine
 

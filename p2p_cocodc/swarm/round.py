@@ -154,7 +154,12 @@ class Tick:
     """Time passed: deadlines and re-sends."""
 
 
-Event = Start | Received | ViewChanged | Computed | Tick
+@dataclass(frozen=True)
+class Leaving:
+    """This peer is leaving the run: it finishes the groups it is in, and joins or leads no other."""
+
+
+Event = Start | Received | ViewChanged | Computed | Tick | Leaving
 
 
 # ---- effects ----
@@ -327,6 +332,21 @@ class RoundMachine:
             self._see(event.view)
         elif isinstance(event, Computed):
             self._on_computed(event, now, out)
+        elif isinstance(event, Leaving) and self._may_drop_out(now):
+            self.gave_round_up = True  # like a promise: no group of this round will list us
+            for peer in sorted(set(self.joins) - {self.me}):  # our joiners go elsewhere
+                self._send(
+                    out,
+                    peer,
+                    StatusReply(self.round_id, Status.WAITING, "leaving the run"),
+                    now,
+                    expect=False,
+                )
+            if self.joined is not None:
+                self._reply_status(out, self.joined, Status.WAITING, "leaving the run", now)
+            self.joins = {}
+            if self.phase == Phase.FORMING:
+                self._recover(now, out, "this peer is leaving the run")
         self._advance(now, out)
         return out
 
@@ -527,6 +547,13 @@ class RoundMachine:
             self._reply_status(out, sender, Status.BUSY, "still in the round", now, msg.ask)
         else:
             self._give_round_up(sender, msg.ask, now, out)
+
+    def _may_drop_out(self, now: float) -> bool:
+        """Whether a peer that is leaving may give this round up: it has not reached it, or it
+        leads it and has not decided. One that joined a leader may be listed: it finishes."""
+        if self.members is not None or self.gave_round_up:
+            return False
+        return self.phase == Phase.IDLE or (self.phase == Phase.FORMING and self.leader(now) == self.me)
 
     def _give_round_up(self, asker: str, ask: int, now: float, out: list[Effect]) -> None:
         """Asked for the average before reaching the round, with no group and no joiners: promise
@@ -734,8 +761,8 @@ class RoundMachine:
 
     def _deliver(self, out: list[Effect], peer: str, code: Code, index: int, data: bytes, now: float) -> None:
         """Send a PART or RESULT until the member acknowledges it (or is gone)."""
-        if (code, peer) in self.acked or peer not in self.live(now):
-            return
+        if (code, peer) in self.acked or peer not in self.present(now):
+            return  # a member that is leaving still needs our slices: it is finishing this round
         if self._due(code, peer, now, self.deadlines.resend_after(len(data))):
             assert self.members is not None
             message = (Part if code == Code.PART else Result)(
@@ -753,7 +780,7 @@ class RoundMachine:
         if now >= self.deadlines.allreduce_by(self.adopted_at, 0) + self.deadlines.answer_s:
             return []
         peers = [p for p, _ in self.outcome.members if p != self.me]
-        return [p for p in peers if (Code.RESULT, p) not in self.acked and p in self.live(now)]
+        return [p for p in peers if (Code.RESULT, p) not in self.acked and p in self.present(now)]
 
     def _deliver_results(self, now: float, out: list[Effect]) -> None:
         for peer in self._undelivered_results(now):
