@@ -345,8 +345,8 @@ class RoundMachine:
             if self.joined is not None:
                 self._reply_status(out, self.joined, Status.WAITING, "leaving the run", now)
             self.joins = {}
-            if self.phase == Phase.FORMING:
-                self._recover(now, out, "this peer is leaving the run")
+            if self.phase == Phase.FORMING:  # it needs no average: it settles without asking anyone
+                self._settle(Failed("this peer left the run before the round formed"), now, out)
         self._advance(now, out)
         return out
 
@@ -855,7 +855,9 @@ class RoundMachine:
 
     def _reply_settled(self, out: list[Effect], to: str, now: float, ask: int = 0) -> None:
         """A peer that has no average to give and will not complete the round itself says so."""
-        if isinstance(self.outcome, Failed):
+        if isinstance(self.outcome, Failed) and self.gave_round_up:  # it dropped out, like a promise
+            self._reply_status(out, to, Status.WAITING, self.outcome.reason, now, ask)
+        elif isinstance(self.outcome, Failed):
             self._reply_status(out, to, Status.FAILED, self.outcome.reason, now, ask)
         elif isinstance(self.outcome, Lost):
             self._reply_status(
