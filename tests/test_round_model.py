@@ -9,8 +9,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from p2p_cocodc.swarm.messages import Members, Status
-from p2p_cocodc.swarm.round import Effect, Phase, RoundMachine
+from p2p_cocodc.swarm.messages import Code, Status
+from p2p_cocodc.swarm.round import Effect, RoundMachine
 from tests.round_model import draw_plan, explore
 
 SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "10000"))
@@ -59,14 +59,12 @@ def test_a_schedule_is_reproduced_exactly_from_its_seed() -> None:
 # ---- teeth: each variant drops one guard of the machine; the check must catch it ----
 
 
-class AdoptsALaterGroup(RoundMachine):
-    """Switches to a group it learns later, instead of keeping the first one it adopted."""
+class DeliversOnlyToLivePeers(RoundMachine):
+    """Stops sending slices to a member once it says it is leaving, though it is finishing the round."""
 
-    def _on_group(self, sender: str, members: Members, now: float, out: list[Effect]) -> None:
-        if self.members is not None and members != self.members and self.phase == Phase.RUNNING:
-            self.members, self.parts, self.results, self.slices = None, {}, {}, None
-            self.acked, self.jobs_out, self.phase = set(), set(), Phase.FORMING
-        super()._on_group(sender, members, now, out)
+    def _deliver(self, out: list[Effect], peer: str, code: Code, index: int, data: bytes, now: float) -> None:
+        if peer in self.live(now):
+            super()._deliver(out, peer, code, index, data, now)
 
 
 class TakesBusyForFinal(RoundMachine):
@@ -80,7 +78,7 @@ class TakesBusyForFinal(RoundMachine):
 
 
 VARIANTS: dict[str, type[RoundMachine]] = {
-    cls.__name__: cls for cls in (AdoptsALaterGroup, TakesBusyForFinal)
+    cls.__name__: cls for cls in (DeliversOnlyToLivePeers, TakesBusyForFinal)
 }
 
 
