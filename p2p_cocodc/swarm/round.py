@@ -253,7 +253,6 @@ class Phase(Enum):
 class Recovery:
     """What the peers asked for the round's average have answered."""
 
-    since: float
     asks: int = 0  # FETCHes sent so far (each carries its number)
     answers: dict[str, tuple[Status, int]] = field(default_factory=dict)  # peer -> (status, ask answered)
     last_final_ask: int = 0  # asks sent before the last answer became final; WAITING must be newer
@@ -791,7 +790,7 @@ class RoundMachine:
             return
         self.phase = Phase.RECOVERING
         self.why_recovering = why
-        self.recovery = Recovery(since=now)
+        self.recovery = Recovery()
         out.append(Note(f"round {self.round_id}: {why}; asking the other peers for the average"))
 
     def _ask_for_average(self, now: float, out: list[Effect]) -> None:
