@@ -196,10 +196,12 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
     opts = swarm_options(swarm_file, swarm_cli)
     summary = run_peer(Peer(cfg, opts), cfg, quiet)
+    failed, done = summary["rounds_failed"], summary["rounds_done"]
+    skipped = f"; {failed} of {failed + done} syncs failed and were skipped on every peer" if failed else ""
     click.echo(
         f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "
         f"{summary['bytes_sent'] / 1e6:.2f} MB sent, stalled {summary['stall_s']:.1f} s of "
-        f"{summary['wall_time_s']:.1f} s; θ̄ sha256 {summary['global_params_sha256'][:16]}"
+        f"{summary['wall_time_s']:.1f} s{skipped}; θ̄ sha256 {summary['global_params_sha256'][:16]}"
     )
 
 

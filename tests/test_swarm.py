@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.swarm_procs import (
+    Bootstrap,
     descendants,
     end_group,
     free_port,
@@ -138,6 +139,20 @@ def round_leader_shard(boot_status: str, run_id: str) -> int:
     return peers[min(peers)]["shard"]
 
 
+def start_three_training(
+    tmp_path: Path, boot: Bootstrap, run_id: str, steps: int, peers: list[subprocess.Popen]
+) -> list[Path]:
+    """Three cocodc peers on shards 0-2 (appended to ``peers`` as they start, so the caller ends
+    them whatever happens), returned once each has written a few records: training is under way."""
+    for i in range(3):
+        args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", str(steps)]
+        args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", run_id, "--verbose"]
+        peers.append(spawn(args, tmp_path, f"peer{i}.log"))
+    outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
+    wait_for(lambda: all(o.exists() and len(records(o)) >= 3 for o in outs), 120, "training to be under way")
+    return outs
+
+
 @pytest.mark.parametrize("victim", ["leader", "member"])
 def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(
     tmp_path: Path, victim: str
@@ -148,16 +163,7 @@ def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(
     boot = start_bootstrap(tmp_path)
     peers = []
     try:
-        for i in range(3):
-            args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "96"]
-            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "drop", "--verbose"]
-            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
-        outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
-
-        def under_way() -> bool:
-            return all(o.exists() and len(records(o)) >= 3 for o in outs)
-
-        wait_for(under_way, 120, "training to be under way")
+        start_three_training(tmp_path, boot, "drop", 96, peers)
         leader = round_leader_shard(boot.host_port, "drop")
         dead = leader if victim == "leader" else (leader + 1) % 3
         survivors = [i for i in range(3) if i != dead]
@@ -183,12 +189,7 @@ def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
     boot = start_bootstrap(tmp_path)
     peers = []
     try:
-        for i in range(3):
-            args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "96"]
-            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "leave", "--verbose"]
-            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
-        outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
-        wait_for(lambda: all(o.exists() and len(records(o)) >= 3 for o in outs), 120, "training")
+        start_three_training(tmp_path, boot, "leave", 96, peers)
         leaver = round_leader_shard(boot.host_port, "leave")
         stayers = [i for i in range(3) if i != leaver]
         peers[leaver].send_signal(signal.SIGTERM)
@@ -227,16 +228,12 @@ def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_
     boot = start_bootstrap(tmp_path)
     peers = []
     try:
-        for i in range(3):
-            args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "160"]
-            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "frozen", "--verbose"]
-            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
-        outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
-        wait_for(lambda: all(o.exists() and len(records(o)) >= 3 for o in outs), 120, "training")
+        outs = start_three_training(tmp_path, boot, "frozen", 160, peers)
         frozen = round_leader_shard(boot.host_port, "frozen")
         others = [i for i in range(3) if i != frozen]
         peers[frozen].send_signal(signal.SIGSTOP)
         try:
+
             def lapsed() -> bool:  # the others are listed, the frozen one no more
                 listed = {p["shard"] for p in board_peers(boot.host_port, "frozen").values()}
                 return set(others) <= listed and frozen not in listed

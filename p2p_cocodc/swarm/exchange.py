@@ -266,7 +266,8 @@ class FragmentExchange:
     def _finish(self, round_id: str, machine: RoundMachine) -> None:
         del self.open[round_id]
         self.sent_once.pop(round_id, None)
-        for peer in [p for p, rounds in self.opened_by.items() if not rounds & set(self._not_reached())]:
+        not_reached = set(self._not_reached())
+        for peer in [p for p, rounds in self.opened_by.items() if not rounds & not_reached]:
             del self.opened_by[peer]
         self.finished[round_id] = machine
         if len(self.finished) > MAX_FINISHED:

@@ -64,6 +64,7 @@ from p2p_cocodc.swarm.messages import (
     Status,
     StatusReply,
 )
+from p2p_cocodc.swarm.wire import SLOWEST_LINK_MBPS
 
 EXACT = get_codec("fp32")  # averages served to a recovering peer: bit-exact
 
@@ -81,7 +82,7 @@ class Deadlines:
     resend_s: float = 2.0  # JOIN, PROBE, FETCH and unacknowledged deliveries are sent again after this
     answer_s: float = 15.0  # a peer that answers nothing we send it for this long is taken for gone
     heard_s: float = 8.0  # a peer that messaged us is live this long (a board record's lifetime)
-    slowest_link_mbps: float = 10.0
+    slowest_link_mbps: float = SLOWEST_LINK_MBPS
 
     def transfer_s(self, num_bytes: int) -> float:
         return 8.0 * num_bytes / (self.slowest_link_mbps * 1e6)
@@ -334,15 +335,7 @@ class RoundMachine:
         elif isinstance(event, Leaving) and self._may_drop_out(now):
             self.gave_round_up = True  # like a promise: no group of this round will list us
             for peer in sorted(set(self.joins) - {self.me}):  # our joiners go elsewhere
-                self._send(
-                    out,
-                    peer,
-                    StatusReply(self.round_id, Status.WAITING, "leaving the run"),
-                    now,
-                    expect=False,
-                )
-            if self.joined is not None:
-                self._reply_status(out, self.joined, Status.WAITING, "leaving the run", now)
+                self._reply_status(out, peer, Status.WAITING, "leaving the run", now)
             self.joins = {}
             if self.phase == Phase.FORMING:  # it needs no average: it settles without asking anyone
                 self._settle(Failed("this peer left the run before the round formed"), now, out)
