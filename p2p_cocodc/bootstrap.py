@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.logs import configure_logging
-from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
+from p2p_cocodc.swarm.dht import check_identity, p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 
 log = logging.getLogger(__name__)
@@ -184,22 +184,6 @@ def _check_writable_file(flag: str, path: str) -> None:
         raise UserError(f"{flag} {path} exists but cannot be read")
     if not os.path.exists(path) and not os.access(parent, os.W_OK):
         raise UserError(f"{flag} {path} cannot be created: {parent} is not writable")
-
-
-def check_identity(path: str) -> None:
-    """An existing identity file must hold a key; p2pd would fail with a message that names no file."""
-    if not os.path.exists(path):
-        return  # hivemind creates it
-    from hivemind.p2p import PeerID
-
-    try:
-        with open(path, "rb") as f:
-            PeerID.from_identity(f.read())
-    except Exception as exc:  # noqa: BLE001 - protobuf and cryptography raise many types for bad keys
-        raise UserError(
-            f"--identity {path} is not a private key file ({type(exc).__name__}); "
-            "give the file an earlier run created, or a new path to create one"
-        ) from None
 
 
 def bind_status_server(host: str, port: int) -> StatusServer:

@@ -222,3 +222,19 @@ def stop_dht(dht: Any, socket_path: str | None) -> None:
     if socket_path and not dht.is_alive():
         with suppress(OSError):
             os.remove(socket_path)
+
+
+def check_identity(path: str) -> None:
+    """An existing identity file must hold a key; p2pd would fail with a message that names no file."""
+    if not os.path.exists(path):
+        return  # hivemind creates it
+    from hivemind.p2p import PeerID
+
+    try:
+        with open(path, "rb") as f:
+            PeerID.from_identity(f.read())
+    except Exception as exc:  # noqa: BLE001 - protobuf and cryptography raise many types for bad keys
+        raise UserError(
+            f"--identity {path} is not a private key file ({type(exc).__name__}); "
+            "give the file an earlier run created, or a new path to create one"
+        ) from None

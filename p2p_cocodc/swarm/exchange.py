@@ -180,17 +180,28 @@ class FragmentExchange:
 
     # ---- the facade ----
 
-    async def allreduce(self, round_id: str, vector: torch.Tensor, step: int) -> torch.Tensor:
+    async def allreduce(
+        self, round_id: str, vector: torch.Tensor, step: int, take_part: bool = True
+    ) -> torch.Tensor:
         """The mean of ``vector`` over this round's group; a peer left out of the group, or whose
-        all-reduce failed, gets the average another peer completed, bit for bit."""
-        if round_id in self.finished or round_id in self.waiting:
-            raise RoundFailed(f"round {round_id} was already run here")
+        all-reduce failed, gets the average another peer completed, bit for bit.
+
+        ``take_part=False``: this peer only wants the round's average (it joined the run after the
+        round was sent, or is coming back to it): it promises to join no group of the round and asks
+        the others for the average; ``vector`` only gives its size. A round this peer already
+        started (before a resync) is waited on instead."""
+        if round_id in self.waiting:
+            raise RoundFailed(f"round {round_id} is already being run here")
         machine = self._machine(round_id)
         outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting[round_id] = outcome
         try:
-            self._feed(round_id, machine, Start(step, vector))
-            result = await outcome
+            if machine.phase == Phase.IDLE:
+                machine.gave_round_up |= not take_part
+                self._feed(round_id, machine, Start(step, vector))
+            elif take_part:
+                raise RoundFailed(f"round {round_id} was already run here")
+            result = machine.outcome if machine.outcome is not None else await outcome
         finally:
             self.waiting.pop(round_id, None)
         if isinstance(result, Completed):

@@ -27,7 +27,7 @@ from p2p_cocodc.swarm.dht import store_limit_s
 log = logging.getLogger(__name__)
 
 RUNS_KEY = "p2p-cocodc.runs"
-STATES = ("waiting", "training", "done", "leaving")
+STATES = ("waiting", "joining", "training", "done", "leaving")
 MAX_FRAGMENTS = 4096
 LIFETIME_FACTOR = 3  # a record lives 3x the slowest recent publish: the next one lands before it lapses
 RECENT_PUBLISHES = 30  # the publishes that set the lifetime (about the last 30-60 s)
@@ -60,6 +60,7 @@ class PeerRecord:
     versions: list[int] = field(default_factory=list)
     stall_s: float = 0.0
     bytes_sent: int = 0
+    joined_at: int = 0  # the step whose end it took the swarm's state at (0: it started the run)
     ttl_s: float = 8.0  # the record's lifetime: how long readers keep this peer after they last read it
 
     def to_wire(self) -> dict[str, Any]:
@@ -71,7 +72,7 @@ class PeerRecord:
         if not isinstance(value, dict) or set(value) != {f for f in cls.__dataclass_fields__}:
             return None
         v = value
-        ints = (v["step"], v["num_shards"], v["bytes_sent"])
+        ints = (v["step"], v["num_shards"], v["bytes_sent"], v["joined_at"])
         floats = (v["step_time_s"], v["bandwidth_mbps"], v["stall_s"], v["ttl_s"])
         ok = (
             v["state"] in STATES

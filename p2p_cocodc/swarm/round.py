@@ -416,10 +416,10 @@ class RoundMachine:
         etas = [max(event.step - p.step, 0) * p.step_time_s for p in self.view.values()]
         self.eta_s = max(etas, default=0.0)
         self.phase = Phase.FORMING
-        if self.members is not None:
+        if self.gave_round_up:  # promised, or only here for the average: never a member
+            self._recover(now, out, "this peer gave the round up before it reached it")
+        elif self.members is not None:
             self._enter_group(now, out)
-        elif self.gave_round_up:
-            self._recover(now, out, "another peer asked us for the average before we reached the round")
 
     def _on_message(self, sender: str, msg: Message, now: float, out: list[Effect]) -> None:
         if sender == self.me:

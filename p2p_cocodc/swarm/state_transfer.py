@@ -1,0 +1,457 @@
+"""Handing the swarm's state to a peer that joins a run in progress, or comes back to it.
+
+Every live peer holds the same shared state at the end of every inner step S (θ̄ and the outer
+momentum of every fragment, the schedule's state, which syncs are in flight, the fragment versions):
+that is what "θ̄ is bit-identical everywhere" means. A joiner picks a step S a little ahead of the
+peers it sees, asks several of them (donors) for their state at S, checks that they describe the
+same bytes (one digest over every chunk's sha256), and downloads the chunks from all of them at
+once, checking each one. A donor copies its state in memory when it finishes step S (the only
+moment its training waits: a memcpy of θ̄ and the momentum) and serves the copy from its event loop
+while its training thread goes on.
+
+The protocol ``p2p-cocodc/{run}/state/1`` is request/response on one libp2p stream, msgpack frames
+(``swarm/wire.py``):
+
+- ``{"want": "manifest", "step": S, "fingerprint": F}`` is answered ``{"ok": true, "manifest": M}``
+  once the donor has finished step S, or ``{"ok": false, "step": X, "detail": why}`` (X: the donor's
+  step; X ≥ S means it is past S, and the joiner asks again further ahead);
+- ``{"want": "chunk", "step": S, "index": i}`` is answered ``{"ok": true, "data": bytes}``, or
+  ``{"ok": false, ...}``.
+
+A manifest ``M`` is ``{"step", "skeleton", "tensors": [[dtype, shape], ...], "size", "chunk_bytes",
+"chunks": [sha256 hex, ...], "digest"}``: the state's structure with tensors replaced by
+``{"__tensor__": i}``, and the tensors' bytes concatenated in order and cut into chunks.
+``parse_manifest`` is the one place a donor's answer becomes data: bounded and type-checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from p2p_cocodc.swarm.wire import MAX_FRAME, BadMessage, read_frame, transfer_allowance_s, write_frame
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 << 20
+MAX_CHUNKS = 1 << 16  # 256 GiB of state
+MAX_TENSORS = 1 << 16
+MAX_DEPTH = 16
+ASK_TIMEOUT_S = 30.0  # opening a stream and one small frame
+SNAPSHOT_WAIT_S = 90.0  # how long a donor waits to reach the asked step before it answers
+MAX_STEPS_AHEAD = 10_000  # a donor does not promise a state further ahead than this
+KEEP_S = 300.0  # a snapshot is dropped this long after it was last asked for
+MAX_SNAPSHOTS = 2  # at most this many copies of the state at once
+STREAMS_PER_DONOR = 2
+ATTEMPTS = 4  # steps tried before a joiner gives up
+TENSOR_KEY = "__tensor__"
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+}
+
+
+class StateUnavailable(Exception):
+    """No consistent state could be had from the donors; the reason says why."""
+
+
+# ---- packing ----
+
+
+def pack(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """The state's structure with each tensor replaced by ``{"__tensor__": i}``, and the tensors."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value.detach().to("cpu").contiguous())
+            return {TENSOR_KEY: len(tensors) - 1}
+        if isinstance(value, dict):
+            return {str(k): walk(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [walk(v) for v in value]
+        return value
+
+    return walk(state), tensors
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One donor's state at the end of a step, ready to serve."""
+
+    manifest: dict[str, Any]
+    blob: bytes
+
+    def chunk(self, index: int) -> bytes:
+        size = self.manifest["chunk_bytes"]
+        return self.blob[index * size : (index + 1) * size]
+
+
+def make_snapshot(step: int, state: Any, chunk_bytes: int = CHUNK_BYTES) -> Snapshot:
+    """Pack ``state`` (a copy nobody writes to any more) into a manifest and its bytes."""
+    skeleton, tensors = pack(state)
+    blob = b"".join(tensor_bytes(t) for t in tensors)
+    starts = range(0, max(len(blob), 1), chunk_bytes)
+    chunks = [hashlib.sha256(blob[i : i + chunk_bytes]).hexdigest() for i in starts]
+    meta = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+    manifest = {
+        "step": step,
+        "skeleton": skeleton,
+        "tensors": meta,
+        "size": len(blob),
+        "chunk_bytes": chunk_bytes,
+        "chunks": chunks,
+    }
+    manifest["digest"] = digest(manifest)
+    return Snapshot(manifest, blob)
+
+
+def digest(manifest: dict[str, Any]) -> str:
+    """One hash over the structure, the tensors' types and shapes, and every chunk's hash."""
+    body = {k: manifest[k] for k in ("step", "skeleton", "tensors", "size", "chunk_bytes", "chunks")}
+    return hashlib.sha256(msgpack.packb(body, use_bin_type=True)).hexdigest()
+
+
+def unpack(manifest: dict[str, Any], blob: bytes) -> Any:
+    """The state a (checked) manifest and its bytes describe; tensors own their memory."""
+    tensors = []
+    offset = 0
+    for dtype_name, shape in manifest["tensors"]:
+        dtype = DTYPES[dtype_name]
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes:
+            raw = torch.frombuffer(bytearray(blob[offset : offset + nbytes]), dtype=torch.uint8)
+            tensors.append(raw.view(dtype).reshape(shape))
+        else:
+            tensors.append(torch.empty(shape, dtype=dtype))
+        offset += nbytes
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            if set(value) == {TENSOR_KEY}:
+                return tensors[value[TENSOR_KEY]]
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return walk(manifest["skeleton"])
+
+
+def parse_manifest(value: Any, step: int) -> dict[str, Any]:
+    """A donor's manifest for ``step``, checked: sizes bounded and consistent, digest right."""
+    if not isinstance(value, dict):
+        raise BadMessage("a manifest must be a map")
+    keys = {"step", "skeleton", "tensors", "size", "chunk_bytes", "chunks", "digest"}
+    if set(value) != keys:
+        raise BadMessage(f"a manifest has the keys {sorted(keys)}")
+    tensors, chunks, size = value["tensors"], value["chunks"], value["size"]
+    chunk_bytes = value["chunk_bytes"]
+    if value["step"] != step:
+        raise BadMessage(f"the manifest is of step {value['step']!r}, not {step}")
+    if not _is_count(chunk_bytes) or not 0 < chunk_bytes <= MAX_FRAME // 2:
+        raise BadMessage("'chunk_bytes' must be a positive size below the frame limit")
+    if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
+        raise BadMessage(f"'tensors' must be a list of at most {MAX_TENSORS}")
+    total = 0
+    for item in tensors:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or item[0] not in DTYPES
+            or not isinstance(item[1], list)
+            or len(item[1]) > 8
+            or not all(_is_count(n) for n in item[1])
+        ):
+            raise BadMessage("each tensor must be [dtype, shape] with a known dtype")
+        total += math.prod(item[1]) * torch.empty((), dtype=DTYPES[item[0]]).element_size()
+    if not _is_count(size) or size != total:
+        raise BadMessage(f"'size' {size!r} is not the tensors' {total} bytes")
+    expected_chunks = max(1, math.ceil(size / chunk_bytes))
+    if not isinstance(chunks, list) or len(chunks) != expected_chunks or expected_chunks > MAX_CHUNKS:
+        raise BadMessage(f"'chunks' must list {expected_chunks} hashes")
+    if not all(isinstance(h, str) and len(h) == 64 for h in chunks):
+        raise BadMessage("each chunk hash must be a sha256 hex string")
+    _check_skeleton(value["skeleton"], len(tensors), 0)
+    if value["digest"] != digest(value):
+        raise BadMessage("the manifest's digest does not match its contents")
+    return value
+
+
+def _check_skeleton(value: Any, num_tensors: int, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise BadMessage("the state is nested too deeply")
+    if isinstance(value, dict):
+        if set(value) == {TENSOR_KEY}:
+            if not _is_count(value[TENSOR_KEY]) or value[TENSOR_KEY] >= num_tensors:
+                raise BadMessage("a tensor reference points past the tensor list")
+            return
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise BadMessage("state keys must be strings")
+            _check_skeleton(item, num_tensors, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_skeleton(item, num_tensors, depth + 1)
+    elif value is not None and not isinstance(value, bool | int | float | str):
+        raise BadMessage(f"unexpected {type(value).__name__} in the state")
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40
+
+
+# ---- the donor ----
+
+
+class StateServer:
+    """Serves this peer's shared state at the steps joiners ask for.
+
+    ``current_step()`` is the last inner step this peer finished; ``shared_state()`` returns a copy
+    of its shared state (called on the event loop at a step boundary, while training waits)."""
+
+    def __init__(
+        self,
+        p2p: Any,
+        run_id: str,
+        fingerprint: str,
+        current_step: Callable[[], int],
+        shared_state: Callable[[], Any],
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.p2p = p2p
+        self.chunk_bytes = chunk_bytes
+        self.protocol = state_protocol(run_id)
+        self.fingerprint = fingerprint
+        self.current_step = current_step
+        self.shared_state = shared_state
+        self.snapshots: dict[int, asyncio.Future[Snapshot]] = {}
+        self.asked_at: dict[int, float] = {}
+        self.copied: set[int] = set()  # steps whose state has been copied (the snapshot may be packing)
+        self.serving = True
+        self.copy_s = 0.0  # training time spent copying the state for joiners (the donor's stall)
+        self.served_bytes = 0
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.protocol, self._serve)
+
+    async def stop(self) -> None:
+        self.serving = False
+        with contextlib.suppress(Exception):  # the daemon may already be gone at shutdown
+            await self.p2p.remove_binary_stream_handler(self.protocol)
+
+    def step_done(self, step: int) -> None:
+        """Called after every inner step (apply, send, apply done): copy the state if asked for."""
+        now = time.monotonic()
+        for old in [s for s, t in self.asked_at.items() if now - t > KEEP_S]:
+            self.asked_at.pop(old)
+            self.snapshots.pop(old, None)
+            self.copied.discard(old)
+        future = self.snapshots.get(step)
+        if future is None or step in self.copied:
+            return
+        started = time.perf_counter()
+        state = self.shared_state()
+        self.copy_s += time.perf_counter() - started
+        self.copied.add(step)
+        task = asyncio.ensure_future(asyncio.to_thread(make_snapshot, step, state, self.chunk_bytes))
+        task.add_done_callback(lambda t: _settle(future, t))
+
+    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asker = info.peer_id.to_base58()[:12]
+        try:
+            ask = await read_frame(reader, ASK_TIMEOUT_S)
+            reply = await self._answer(ask)
+            await asyncio.wait_for(
+                write_frame(writer, reply), ASK_TIMEOUT_S + transfer_allowance_s(len(reply.get("data", b"")))
+            )
+        except BadMessage as exc:
+            log.warning("bad state request from %s: %s", asker, exc)
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            log.info("state request from %s ended early: %s", asker, exc)
+        finally:
+            writer.close()
+
+    async def _answer(self, ask: dict[str, Any]) -> dict[str, Any]:
+        step = ask.get("step")
+        if not _is_count(step):
+            raise BadMessage("a state request needs an int 'step' ≥ 0")
+        if not self.serving:
+            return self._refuse("this peer is not serving its state (leaving, or resyncing)")
+        if ask.get("want") == "manifest":
+            if ask.get("fingerprint") != self.fingerprint:
+                return self._refuse("your options differ from this run's")
+            return await self._manifest(step)
+        if ask.get("want") == "chunk":
+            index = ask.get("index")
+            future = self.snapshots.get(step)
+            if not _is_count(index) or future is None or not future.done() or future.exception():
+                return self._refuse(f"no state of step {step} here")
+            snapshot = future.result()
+            if index >= len(snapshot.manifest["chunks"]):
+                return self._refuse(f"no chunk {index}")
+            self.asked_at[step] = time.monotonic()
+            data = snapshot.chunk(index)
+            self.served_bytes += len(data)
+            return {"ok": True, "data": data}
+        raise BadMessage("'want' must be 'manifest' or 'chunk'")
+
+    async def _manifest(self, step: int) -> dict[str, Any]:
+        future = self.snapshots.get(step)
+        if future is None:
+            current = self.current_step()
+            if step <= current or step - current > MAX_STEPS_AHEAD:
+                return self._refuse(f"this peer is at step {current}")
+            if len(self.snapshots) >= MAX_SNAPSHOTS:
+                return self._refuse("this peer already holds copies of its state for other joiners")
+            future = self.snapshots[step] = asyncio.get_running_loop().create_future()
+        self.asked_at[step] = time.monotonic()
+        try:
+            snapshot = await asyncio.wait_for(asyncio.shield(future), SNAPSHOT_WAIT_S)
+        except TimeoutError:
+            return self._refuse(f"this peer did not reach step {step} within {SNAPSHOT_WAIT_S:.0f} s")
+        return {"ok": True, "manifest": snapshot.manifest}
+
+    def _refuse(self, detail: str) -> dict[str, Any]:
+        return {"ok": False, "step": self.current_step(), "detail": detail[:200]}
+
+
+def _settle(future: asyncio.Future[Snapshot], task: asyncio.Future[Snapshot]) -> None:
+    if future.done():
+        return
+    if task.exception() is not None:
+        future.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        future.set_result(task.result())
+
+
+def state_protocol(run_id: str) -> str:
+    return f"p2p-cocodc/{run_id}/state/1"
+
+
+# ---- the joiner ----
+
+
+@dataclass
+class Pulled:
+    step: int
+    state: Any
+    donors: list[str]  # the donors whose manifests agreed
+    seconds: float
+    num_bytes: int
+
+
+async def pull_state(
+    p2p: Any, run_id: str, fingerprint: str, donors: list[str], step: int, margin: int
+) -> Pulled:
+    """The shared state at a step boundary ≥ ``step`` that every asked donor agrees on.
+
+    Asks every donor for its manifest at ``step``; if one is already past it, tries again ``margin``
+    steps beyond the furthest. Needs the manifests of min(2, donors) donors, all with one digest
+    (θ̄ is bit-identical on live peers: a disagreement means a split swarm, never papered over)."""
+    started = time.perf_counter()
+    need = min(2, len(donors))
+    for _ in range(ATTEMPTS):
+        ask = {"want": "manifest", "step": step, "fingerprint": fingerprint}
+        answers = await asyncio.gather(*(_ask(p2p, run_id, d, ask) for d in donors))
+        manifests: dict[str, dict[str, Any]] = {}
+        past = []
+        reasons = []
+        for donor, answer in zip(donors, answers, strict=True):
+            if isinstance(answer, str):
+                reasons.append(f"{donor[:12]}: {answer}")
+            elif answer.get("ok") is True:
+                try:
+                    manifests[donor] = parse_manifest(answer.get("manifest"), step)
+                except BadMessage as exc:
+                    reasons.append(f"{donor[:12]}: bad manifest ({exc})")
+            else:
+                at = answer.get("step")
+                reasons.append(f"{donor[:12]}: {str(answer.get('detail'))[:200]}")
+                if _is_count(at) and at >= step:
+                    past.append(at)
+        if past:
+            step = max(past) + margin
+            continue
+        if len(manifests) < need:
+            raise StateUnavailable(f"fewer than {need} donors gave their state: {'; '.join(reasons)}")
+        digests = {m["digest"] for m in manifests.values()}
+        if len(digests) > 1:
+            raise StateUnavailable(
+                f"the donors hold different states at step {step} ({len(digests)} digests): the swarm "
+                "is split"
+            )
+        manifest = next(iter(manifests.values()))
+        blob = await _download(p2p, run_id, list(manifests), manifest)
+        return Pulled(step, unpack(manifest, blob), list(manifests), time.perf_counter() - started, len(blob))
+    raise StateUnavailable(f"the donors kept moving past the asked step (last asked {step})")
+
+
+async def _download(p2p: Any, run_id: str, donors: list[str], manifest: dict[str, Any]) -> bytes:
+    """Every chunk, from all donors at once (``STREAMS_PER_DONOR`` each); a chunk that fails or
+    does not match its hash is asked of another donor, and a donor that fails twice is dropped."""
+    step, hashes = manifest["step"], manifest["chunks"]
+    chunks: dict[int, bytes] = {}
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(hashes)):
+        todo.put_nowait(i)
+    failures: dict[str, int] = dict.fromkeys(donors, 0)
+
+    async def worker(donor: str) -> None:
+        while failures[donor] < 2 and len(chunks) < len(hashes):
+            try:
+                index = todo.get_nowait()
+            except asyncio.QueueEmpty:
+                if len(chunks) == len(hashes) or all(n >= 2 for n in failures.values()):
+                    return
+                await asyncio.sleep(0.05)  # another donor holds the last chunks: it may fail them
+                continue
+            answer = await _ask(p2p, run_id, donor, {"want": "chunk", "step": step, "index": index})
+            data = answer.get("data") if isinstance(answer, dict) and answer.get("ok") is True else None
+            if isinstance(data, bytes) and hashlib.sha256(data).hexdigest() == hashes[index]:
+                chunks[index] = data
+            else:
+                failures[donor] += 1
+                log.warning("chunk %d of the state from %s was bad or missing", index, donor[:12])
+                todo.put_nowait(index)
+
+    await asyncio.gather(*(worker(d) for d in donors for _ in range(STREAMS_PER_DONOR)))
+    if len(chunks) < len(hashes):
+        missing = len(hashes) - len(chunks)
+        raise StateUnavailable(f"{missing} chunks of the state could not be had from any donor")
+    return b"".join(chunks[i] for i in range(len(hashes)))[: manifest["size"]]
+
+
+async def _ask(p2p: Any, run_id: str, donor: str, ask: dict[str, Any]) -> dict[str, Any] | str:
+    """One request to a donor: its answer, or a string saying what went wrong."""
+    from hivemind.p2p import PeerID
+
+    writer = None
+    try:
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(PeerID.from_base58(donor), state_protocol(run_id)), ASK_TIMEOUT_S
+        )
+        await asyncio.wait_for(write_frame(writer, ask), ASK_TIMEOUT_S)
+        wait = SNAPSHOT_WAIT_S + ASK_TIMEOUT_S if ask["want"] == "manifest" else ASK_TIMEOUT_S
+        return await read_frame(reader, wait)
+    except BadMessage as exc:
+        return f"bad answer ({exc})"
+    except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base
+        return f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        if writer is not None:
+            writer.close()
