@@ -41,6 +41,11 @@ class TrainConfig:
     # algorithm
     algo: str = _opt("cocodc", "algorithm", ALGORITHMS)
     workers: int = _opt(4, "number of replicas M (simulated workers, or peers of a swarm)")
+    max_peers: int | None = _opt(
+        None,
+        "P: at most this many peers take part, joiners included; the train data is cut into P "
+        "shards (default: --workers)",
+    )
     steps: int = _opt(480, "inner steps T per replica")
     inner_steps: int = _opt(48, "H: inner steps between two syncs of the same fragment")
     fragments: int = _opt(4, "K: number of fragments (units: embedding, each block, final norm)")
@@ -140,6 +145,11 @@ class TrainConfig:
         for name in ["warmup", "weight_decay", "grad_clip", "latency_ms", "seed"]:
             if getattr(self, name) < 0:
                 raise UserError(f"--{_dash(name)} must be ≥ 0, got {getattr(self, name)}")
+        if self.max_peers is not None and self.max_peers < self.workers:
+            raise UserError(
+                f"--max-peers {self.max_peers} must be ≥ --workers {self.workers} (the peers that start "
+                "the run): raise it, or leave it out"
+            )
         if self.step_time is not None and not self.step_time > 0:
             raise UserError(f"--step-time must be > 0 seconds, got {self.step_time}")
         if self.threads is not None and self.threads < 1:
@@ -169,6 +179,12 @@ class TrainConfig:
             transmissions=1 if self.transmissions == AUTO else None,
         )
         return self
+
+    @property
+    def data_shards(self) -> int:
+        """P, the number of shards the train data is cut into: one per peer that may take part, so
+        no two live peers read the same batches."""
+        return self.workers if self.max_peers is None else self.max_peers
 
     def computing_options(self) -> dict[str, Any]:
         """The options that decide what a run computes and records, by name: what a checkpoint

@@ -360,7 +360,7 @@ class Shard:
             raise UserError(
                 f"shard {index} of {count} has {self.num_windows} training windows of "
                 f"{seq_len}+1 tokens but batch size is {batch_size}; the train split has "
-                f"{train.numel()} tokens and needs at least {needed}: lower --workers, "
+                f"{train.numel()} tokens and needs at least {needed}: lower --workers (or --max-peers), "
                 "--batch-size or --seq-len, or give more data"
             )
         self.train = train

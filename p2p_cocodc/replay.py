@@ -1,12 +1,18 @@
-"""Replaying a swarm run's rounds in the simulator: which workers each round averaged, which failed.
+"""Replaying a swarm run in the simulator: which data shards trained from when, which shards each
+round averaged, which rounds failed.
 
-A peer writes one ``{"kind": "round", "round": "f2:96", "members": [0, 2], "completed": true}``
-record to its ``--out`` file for every round it settled: the data shards of the round's group (the
-simulator's worker indices, in member order) and whether the round completed. θ̄ depends only on
-those, so ``simulate --events FILE`` with a peer's records reproduces what the swarm computed,
-bit for bit, when peers left, crashed, or were left out of rounds: a completed round averages only
-its members' outer gradients and every worker applies it (a peer left out of a group fetches the
-same average); a failed round is abandoned by all.
+A peer writes to its ``--out`` file, besides its evaluations:
+
+- ``{"kind": "join", "shard": 2, "step": 96}`` for every replica it learns of: the replica reading
+  data shard 2 starts after step 96 from θ̄ at 96 (step 0: the peers that started the run). A shard
+  joins again when its peer crashed and came back; the replica starts afresh each time.
+- ``{"kind": "round", "round": "f2:96", "members": [0, 2], "completed": true}`` for every round it
+  settled: the data shards of the round's group (in member order) and whether the round completed.
+
+θ̄ depends only on those, so ``simulate --events FILE`` with a peer's records reproduces what the
+swarm computed, bit for bit, when peers joined, left, crashed, or were left out of rounds: a
+completed round averages only its members' outer gradients and every live replica applies it (a
+peer left out of a group fetches the same average); a failed round is abandoned by all.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from p2p_cocodc.errors import UserError
 
@@ -24,9 +31,20 @@ class RoundRecord:
     completed: bool
 
 
-def read_rounds(path: str, workers: int) -> dict[str, RoundRecord]:
-    """The round records of a peer's --out file, by round id; one clear error for anything else."""
+@dataclass(frozen=True)
+class Events:
+    """A peer's records: the rounds by id, and by step S the data shards (ascending) whose replica
+    starts after S. ``joins`` is empty when the file has no join records."""
+
+    rounds: dict[str, RoundRecord]
+    joins: dict[int, tuple[int, ...]]
+
+
+def read_events(path: str, data_shards: int) -> Events:
+    """The round and join records of a peer's --out file; one clear error for anything else.
+    Shards must be below ``data_shards`` (--max-peers); a join recorded twice counts once."""
     rounds: dict[str, RoundRecord] = {}
+    joins: dict[int, set[int]] = {}
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -36,25 +54,42 @@ def read_rounds(path: str, workers: int) -> dict[str, RoundRecord]:
             record = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"--events {path}:{number}: not a JSON line") from None
-        if not isinstance(record, dict) or record.get("kind") != "round":
-            continue
-        round_id, members, completed = record.get("round"), record.get("members"), record.get("completed")
-        valid = (
-            isinstance(round_id, str)
-            and isinstance(completed, bool)
-            and isinstance(members, list)
-            and (0 < len(members) <= workers or (not completed and not members))
-            and all(isinstance(m, int) and not isinstance(m, bool) and 0 <= m < workers for m in members)
-            and len(set(members)) == len(members)
-        )
-        if not valid:
-            raise UserError(
-                f"--events {path}:{number}: a round record needs 'round', 'completed' and 'members' "
-                f"(distinct shards below --workers {workers})"
-            )
-        if round_id in rounds:
-            raise UserError(f"--events {path}:{number}: round {round_id} is recorded twice")
-        rounds[round_id] = RoundRecord(tuple(members), completed)
+        kind = record.get("kind") if isinstance(record, dict) else None
+        if kind == "round":
+            round_id, settled = _round(record, data_shards, f"--events {path}:{number}")
+            if round_id in rounds:
+                raise UserError(f"--events {path}:{number}: round {round_id} is recorded twice")
+            rounds[round_id] = settled
+        elif kind == "join":
+            shard, step = record.get("shard"), record.get("step")
+            if not (_is_int(shard) and 0 <= shard < data_shards and _is_int(step) and step >= 0):
+                raise UserError(
+                    f"--events {path}:{number}: a join record needs 'shard' (a data shard below "
+                    f"--max-peers {data_shards}) and 'step' (≥ 0)"
+                )
+            joins.setdefault(step, set()).add(shard)
     if not rounds:
         raise UserError(f"--events {path}: no round records (write them with join --out)")
-    return rounds
+    return Events(rounds, {step: tuple(sorted(shards)) for step, shards in sorted(joins.items())})
+
+
+def _round(record: dict, data_shards: int, where: str) -> tuple[str, RoundRecord]:
+    round_id, members, completed = record.get("round"), record.get("members"), record.get("completed")
+    valid = (
+        isinstance(round_id, str)
+        and isinstance(completed, bool)
+        and isinstance(members, list)
+        and (0 < len(members) <= data_shards or (not completed and not members))
+        and all(_is_int(m) and 0 <= m < data_shards for m in members)
+        and len(set(members)) == len(members)
+    )
+    if not valid:
+        raise UserError(
+            f"{where}: a round record needs 'round', 'completed' and 'members' (distinct shards "
+            f"below --max-peers {data_shards})"
+        )
+    return round_id, RoundRecord(tuple(members), completed)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)

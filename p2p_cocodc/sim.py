@@ -34,7 +34,7 @@ from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.data import Shard
 from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.metrics import RunLog
-from p2p_cocodc.replay import read_rounds
+from p2p_cocodc.replay import read_events
 from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, summary_record
 
 
@@ -71,6 +71,8 @@ class PendingResult:
 
 class Simulation:
     """Builds M identical replicas and runs them; ``run`` writes records and returns the summary.
+    With --events, the replicas are those the swarm run recorded, by data shard, each from the
+    step it joined at.
 
     ``step_time`` replaces the configured or measured seconds per inner step (a resumed run keeps
     the interrupted run's, so that ``--overlap auto`` resolves the same)."""
@@ -85,17 +87,25 @@ class Simulation:
             step_time = setup.step_time() if setup.needs_step_time() else cfg.step_time
         self.step_time = step_time
         self.settings = setup.settings(self.link.latency_s, self.link.bandwidth_bps, self.step_time)
-        self.workers = []
-        for i in range(cfg.workers):
-            trainer, strategy = setup.replica(self.settings)
-            self.workers.append(Worker(trainer, setup.shard(i, cfg.workers), strategy))
+        self.events = read_events(cfg.events, cfg.data_shards) if cfg.events else None
+        joins = self.events.joins if self.events is not None else {}
+        if cfg.algo == "ddp" and joins.keys() - {0}:
+            raise UserError(
+                f"--events {cfg.events} records peers joining a run under way, which a ddp run cannot take"
+            )
+        if joins and 0 not in joins:
+            raise UserError(
+                f"--events {cfg.events} has no join records at step 0 (the peers that started the run): "
+                "replay the --out of a peer that took part in the whole run"
+            )
+        # by data shard, in shard order; a shard that has not joined (yet) has no replica
+        self.workers: dict[int, Worker] = {i: self._fresh_worker(i) for i in joins.get(0, range(cfg.workers))}
         self.eval_model = copy.deepcopy(setup.base)
         self.step = 0  # inner steps done
         self.clock = 0.0
         self.stall = 0.0
         self.bytes_sent = 0
         self.pending: dict[int, PendingResult] = {}
-        self.rounds = read_rounds(cfg.events, cfg.workers) if cfg.events else None
         self.train_losses: list[float] = []  # since the last evaluation
         self.records: list[dict[str, Any]] = []  # every eval record so far
 
@@ -136,11 +146,12 @@ class Simulation:
             started = time.perf_counter()
             self.train_losses.append(self._inner_step(step))
             compute = time.perf_counter() - started
-            self.clock += self.step_time if self.step_time is not None else compute / cfg.workers
-            if isinstance(self.workers[0].strategy, Strategy):
+            self.clock += self.step_time if self.step_time is not None else compute / len(self.workers)
+            if isinstance(self._any_worker().strategy, Strategy):
                 self._apply_due(step)
                 self._send(step)
                 self._apply_due(step)
+                self._take_joiners(step)
             self.step = step
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 record = self._evaluate(step, log)
@@ -177,19 +188,19 @@ class Simulation:
 
     def _inner_step(self, step: int) -> float:
         """One inner step on every replica (DDP: with the gradient all-reduce between)."""
-        losses = [w.trainer.backward(*w.shard.batch(step - 1)) for w in self.workers]
-        strategies = [w.strategy for w in self.workers]
-        if isinstance(strategies[0], DataParallel):
-            grads = [s.gradient_payload() for s in strategies]  # type: ignore[union-attr]
+        losses = [w.trainer.backward(*w.shard.batch(step - 1)) for w in self.workers.values()]
+        strategies = {i: w.strategy for i, w in self.workers.items()}
+        if isinstance(self._any_worker().strategy, DataParallel):
+            grads = {i: s.gradient_payload() for i, s in strategies.items()}  # type: ignore[union-attr]
             averaged, wire = self._average(f"g:{step}", grads)
             if wire < 0:
                 raise UserError(f"--events {self.cfg.events} has no record of round g:{step}")
             self._transfer_and_wait(wire)
             if averaged is None:  # the swarm's gradient round failed: every peer skipped the step
                 return sum(losses) / len(losses)
-            for s in strategies:
+            for s in strategies.values():
                 s.apply_gradients(averaged)  # type: ignore[union-attr]
-        for w in self.workers:
+        for w in self.workers.values():
             w.trainer.update(step)
         loss = sum(losses) / len(losses)
         if not math.isfinite(loss):
@@ -211,41 +222,70 @@ class Simulation:
             raise RuntimeError(f"replicas disagree on the fragments {what}: {choices}")
         return choices[0]
 
-    def _fragment_strategies(self) -> list[Strategy]:
-        """The replicas' fragment strategies (only called when the algorithm is not ddp)."""
-        return [w.strategy for w in self.workers]  # type: ignore[misc]
+    def _fragment_strategies(self) -> dict[int, Strategy]:
+        """The replicas' fragment strategies by data shard (only called when the algorithm is not ddp)."""
+        return {i: w.strategy for i, w in self.workers.items()}  # type: ignore[misc]
+
+    def _any_worker(self) -> Worker:
+        """A live replica: they all hold the same θ̄, schedule and syncs in flight."""
+        return next(iter(self.workers.values()))
+
+    def _fresh_worker(self, shard: int) -> Worker:
+        """A replica of the initial model with a fresh inner optimizer, reading data shard ``shard``."""
+        trainer, strategy = self.setup.replica(self.settings)
+        return Worker(trainer, self.setup.shard(shard, self.cfg.data_shards), strategy)
+
+    def _take_joiners(self, step: int) -> None:
+        """Each shard that --events says joins after ``step`` gets a fresh replica that takes over
+        the shared state of a live one (θ̄ at ``step``), replacing the shard's old replica if any."""
+        shards = self.events.joins.get(step, ()) if self.events is not None else ()
+        for i in shards:
+            donor = next(iter(self._fragment_strategies().values()))  # ddp runs with joiners are refused
+            worker = self._fresh_worker(i)
+            worker.strategy.join_from(donor.shared_state())  # type: ignore[union-attr]
+            self.workers[i] = worker
+        if shards:
+            self.workers = dict(sorted(self.workers.items()))
 
     def _group(self, round_id: str) -> tuple[int, ...] | None:
-        """The workers a round averages: all of them, or with --events those of the group the
-        swarm formed; None if the swarm's round failed. KeyError if --events has no such round."""
-        if self.rounds is None:
-            return tuple(range(len(self.workers)))
-        record = self.rounds[round_id]
+        """The data shards a round averages: every live replica's, or with --events those of the
+        group the swarm formed; None if the swarm's round failed. KeyError if --events has no such
+        round."""
+        if self.events is None:
+            return tuple(self.workers)
+        record = self.events.rounds[round_id]
         return record.members if record.completed else None
 
-    def _average(self, round_id: str, payloads: list[torch.Tensor]) -> tuple[torch.Tensor | None, int]:
-        """A round's average (None if it failed) and the bytes one worker's link carried."""
+    def _average(self, round_id: str, payloads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, int]:
+        """A round's average of the payloads by data shard (None if it failed) and the bytes one
+        replica's link carried."""
         try:
             group = self._group(round_id)
         except KeyError:
             return None, -1
         if group is None:
             return None, 0
+        missing = [i for i in group if i not in payloads]
+        if missing:
+            raise UserError(
+                f"--events {self.cfg.events}: round {round_id} averages data shard {missing[0]}, which no "
+                "join record starts before it"
+            )
         averaged = butterfly_mean([payloads[i] for i in group], self.codec)
         return averaged, allreduce_wire_bytes(self.codec, averaged.numel(), len(group))
 
     def _send(self, step: int) -> None:
         strategies = self._fragment_strategies()
-        for p in self._agreed([s.sends_after(step) for s in strategies], f"to send at step {step}"):
+        for p in self._agreed([s.sends_after(step) for s in strategies.values()], f"to send at step {step}"):
             round_id = f"f{p}:{step}"
-            averaged, wire = self._average(round_id, [s.payload(p, step) for s in strategies])
+            averaged, wire = self._average(round_id, {i: s.payload(p, step) for i, s in strategies.items()})
             self.bytes_sent += max(wire, 0)
             arrives = self.link.send(self.clock, max(wire, 0))
             self.pending[p] = PendingResult(averaged, arrives, round_id if wire < 0 else "")
 
     def _apply_due(self, step: int) -> None:
         strategies = self._fragment_strategies()
-        for p in self._agreed([s.due(step) for s in strategies], f"due at step {step}"):
+        for p in self._agreed([s.due(step) for s in strategies.values()], f"due at step {step}"):
             result = self.pending.pop(p)
             if result.round_id:
                 raise UserError(
@@ -253,7 +293,7 @@ class Simulation:
                     f"applies at step {step}: replay the --out of a peer that took part in the whole run"
                 )
             self._wait_until(result.arrives_at)
-            for s in strategies:
+            for s in strategies.values():
                 if result.averaged is None:
                     s.abandon(p)
                 else:
@@ -262,8 +302,8 @@ class Simulation:
     # ---- evaluation ----
 
     def global_state(self) -> dict[str, torch.Tensor]:
-        """θ̄ of replica 0 (every replica holds the same θ̄; tests check it)."""
-        return self.workers[0].strategy.global_state()
+        """θ̄ of a live replica (every replica holds the same θ̄; tests check it)."""
+        return self._any_worker().strategy.global_state()
 
     def _evaluate(self, step: int, log: RunLog) -> dict[str, Any]:
         record = self.setup.eval_record(self.eval_model, self.global_state(), step, self.cfg.workers)
@@ -298,7 +338,8 @@ class Simulation:
             "bytes_sent": self.bytes_sent,
             "settings": self._resolved(),
             "workers": [
-                {"trainer": w.trainer.state_dict(), "strategy": w.strategy.state_dict()} for w in self.workers
+                {"trainer": w.trainer.state_dict(), "strategy": w.strategy.state_dict()}
+                for w in self.workers.values()
             ],
             "pending": [
                 {"fragment": p, "averaged": r.averaged, "arrives_at": r.arrives_at}
@@ -316,21 +357,20 @@ class Simulation:
             raise ValueError(f"its run synced with {state['settings']}, this one with {self._resolved()}")
         if len(state["workers"]) != len(self.workers):
             raise ValueError(f"it holds {len(state['workers'])} workers, this run {len(self.workers)}")
-        for worker, saved in zip(self.workers, state["workers"], strict=True):
+        for worker, saved in zip(self.workers.values(), state["workers"], strict=True):
             worker.trainer.load_state_dict(saved["trainer"])
             worker.strategy.load_state_dict(saved["strategy"])
         pending = {}
         for result in state["pending"]:
             p = result["fragment"]
-            in_flight = [p in s.in_flight for s in self._fragment_strategies()]
+            in_flight = [p in s.in_flight for s in self._fragment_strategies().values()]
             if not isinstance(p, int) or p in pending or not all(in_flight):
                 raise ValueError(f"an averaged result for fragment {p!r}, which is not in flight")
-            like = self._fragment_strategies()[0].outer[p].global_params
+            like = self._any_worker().strategy.outer[p].global_params  # type: ignore[union-attr]
             averaged = expect_tensor(result["averaged"], like, f"averaged result of fragment {p}")
             pending[p] = PendingResult(averaged.clone(), float(result["arrives_at"]))
-        if isinstance(self.workers[0].strategy, Strategy) and set(pending) != set(
-            self._fragment_strategies()[0].in_flight
-        ):
+        strategy = self._any_worker().strategy
+        if isinstance(strategy, Strategy) and set(pending) != set(strategy.in_flight):
             raise ValueError("the syncs in flight and the averaged results in flight differ")
         self.pending = pending
         clock = state["clock"]

@@ -70,7 +70,7 @@ class TrainingSetup:
         """The configured seconds per inner step, or a measurement on a throwaway copy."""
         if self.cfg.step_time is not None:
             return self.cfg.step_time
-        return measure_step_time(self.base, self.shard(0, self.cfg.workers), self.inner)
+        return measure_step_time(self.base, self.shard(0, self.cfg.data_shards), self.inner)
 
     def settings(self, latency_s: float, bandwidth_bps: float, step_time: float | None) -> AlgoSettings:
         """The core's settings, with --overlap auto / --transmissions auto turned into numbers

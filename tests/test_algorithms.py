@@ -13,7 +13,7 @@ from p2p_cocodc.algorithms.fragments import assign_units, make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
 from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule
-from p2p_cocodc.algorithms.strategies import Strategy
+from p2p_cocodc.algorithms.strategies import Strategy, make_strategy
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import RunLog, params_sha256
@@ -241,20 +241,20 @@ def test_every_worker_holds_identical_global_params_after_every_sync(algo: str, 
     checked = []
 
     def check(step: int, record: dict) -> None:
-        hashes = {params_sha256(w.strategy.global_state()) for w in sim.workers}
+        hashes = {params_sha256(w.strategy.global_state()) for w in sim.workers.values()}
         assert len(hashes) == 1, f"θ̄ differs across workers after step {step}"
         checked.append(step)
 
     summary = sim.run(RunLog(None), progress=check)
     assert len(checked) == cfg.steps
     assert summary["final_val_ppl"] < 0.8 * summary["initial_val_ppl"]
-    local = [params_sha256(w.trainer.model.state_dict()) for w in sim.workers]
+    local = [params_sha256(w.trainer.model.state_dict()) for w in sim.workers.values()]
     assert len(set(local)) == 3  # replicas themselves differ: each trained on its own shard
 
 
 def test_ddp_replicas_stay_identical_and_learn() -> None:
     sim, summary = simulate(SMALL, algo="ddp", workers=2)
-    states = [w.trainer.model.state_dict() for w in sim.workers]
+    states = [w.trainer.model.state_dict() for w in sim.workers.values()]
     assert params_sha256(states[0]) == params_sha256(states[1])
     assert summary["final_val_ppl"] < 0.8 * summary["initial_val_ppl"]
 
@@ -281,6 +281,78 @@ def test_strategy_refuses_resending_a_fragment_in_flight() -> None:
     strategy.payload(0, 1)
     with pytest.raises(RuntimeError, match="already in flight"):
         strategy.payload(0, 2)
+
+
+# ---- joining a run under way ----
+
+
+def _progress(strategy: Strategy, seed: int) -> None:
+    """Local training, as far as the strategy can tell: every fragment of the replica moves."""
+    g = torch.Generator().manual_seed(seed)
+    for fragment in strategy.fragments:
+        flat = fragment.read()
+        fragment.write(flat + 0.01 * torch.randn(flat.shape, generator=g))
+
+
+def _fragment_strategy(model: torch.nn.Module, cfg: TrainConfig) -> Strategy:
+    strategy = make_strategy(model, cfg.algo_settings())
+    assert isinstance(strategy, Strategy)
+    return strategy
+
+
+def _plain_values_only(value: object) -> bool:
+    """What the swarm can send: tensors, and int/float/bool/str/None in lists and str-keyed dicts."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_values_only(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_plain_values_only(v) for v in value)
+    return value is None or isinstance(value, (torch.Tensor, int, float, bool, str))
+
+
+def test_a_joiner_takes_over_global_params_momentum_schedule_and_syncs_in_flight() -> None:
+    base = build_model("nano", 256, 32)
+    donor = _fragment_strategy(copy.deepcopy(base), SMALL)  # cocodc: its merge uses the snapshot
+    _progress(donor, 1)
+    donor.apply(1, 0.5 * donor.payload(1, 2), 4)  # θ̄_1, momentum and the schedule's drift move
+    _progress(donor, 2)
+    donor.payload(0, 6)  # in flight at S = 6, due at 8
+    shared = donor.shared_state()
+    assert _plain_values_only(shared)
+    assert shared["in_flight"] == [{"fragment": 0, "sent_step": 6, "due_step": 8}]
+
+    joiner = _fragment_strategy(copy.deepcopy(base), SMALL)
+    _progress(joiner, 3)  # what the fresh replica held before does not matter
+    joiner.join_from(shared)
+    theta_bar = donor.outer[0].global_params.clone()
+    assert params_sha256(joiner.global_state()) == params_sha256(donor.global_state())
+    assert params_sha256(joiner.model.state_dict()) == params_sha256(joiner.global_state())
+    assert joiner.schedule.state_dict() == donor.schedule.state_dict()
+    assert torch.equal(joiner.outer[1].momentum, donor.outer[1].momentum) and donor.outer[1].momentum.any()
+    assert torch.equal(joiner.in_flight[0].snapshot, theta_bar)
+    assert joiner.outer[0].global_params.data_ptr() != donor.outer[0].global_params.data_ptr()
+
+    _progress(donor, 4)
+    _progress(joiner, 5)
+    now = joiner.fragments[0].read()
+    averaged = 0.01 * torch.randn(theta_bar.shape, generator=torch.Generator().manual_seed(6))
+    for strategy in (donor, joiner):
+        strategy.apply(0, averaged, 8)
+    assert params_sha256(joiner.global_state()) == params_sha256(donor.global_state())
+    # the joiner compensates its progress since S against θ̄_0 at S
+    f = joiner.fragments[0]
+    z = joiner.outer[0].global_params
+    expected = compensate_per_tensor(
+        f.per_tensor(z), f.per_tensor(theta_bar), f.per_tensor(now), SMALL.dc_lambda
+    )
+    assert torch.equal(f.read(), torch.cat([e.reshape(-1) for e in expected]))
+
+
+def test_joining_from_a_state_of_another_fragment_split_is_refused() -> None:
+    base = build_model("nano", 256, 32)
+    donor = _fragment_strategy(copy.deepcopy(base), SMALL)
+    joiner = _fragment_strategy(copy.deepcopy(base), replace(SMALL, fragments=2))
+    with pytest.raises(ValueError, match="the state has 4 fragments, this strategy 2"):
+        joiner.join_from(donor.shared_state())
 
 
 def test_divergence_is_a_clear_error() -> None:

@@ -178,6 +178,17 @@ def test_validate_names_the_option(cli: dict[str, str], message: str) -> None:
     assert message in str(info.value)
 
 
+def test_max_peers_cuts_the_data_and_must_cover_the_starting_peers() -> None:
+    assert build_config({}, {"workers": "3"}).data_shards == 3  # default: one shard per starting peer
+    cfg = build_config({}, {"workers": "3", "max_peers": "5"})
+    assert cfg.data_shards == 5 and cfg.computing_options()["max_peers"] == 5
+    with pytest.raises(UserError) as info:
+        build_config({}, {"workers": "3", "max_peers": "2"})
+    assert str(info.value) == (
+        "--max-peers 2 must be ≥ --workers 3 (the peers that start the run): raise it, or leave it out"
+    )
+
+
 def test_validate_data_path(tmp_path: Path) -> None:
     missing = tmp_path / "nope.txt"
     with pytest.raises(UserError, match=f"--data {missing}: no such file"):

@@ -1,17 +1,21 @@
-"""``simulate --events``: the simulator replays the rounds a swarm run recorded (which workers each
-round averaged, which rounds failed). The swarm-side oracle (a real run with a leaver replayed to
-the same θ̄ hash) is in test_swarm.py; here, the replay's own rules, in process."""
+"""``simulate --events``: the simulator replays the rounds a swarm run recorded (which data shards
+each round averaged, which rounds failed) and the replicas that joined it under way. The swarm-side
+oracle (a real run with a leaver replayed to the same θ̄ hash) is in test_swarm.py; here, the
+replay's own rules, in process."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from p2p_cocodc.algorithms.inner import InnerTrainer
+from p2p_cocodc.algorithms.strategies import Strategy
 from p2p_cocodc.config import build_config
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog
+from p2p_cocodc.metrics import RunLog, params_sha256
 from p2p_cocodc.sim import Simulation
 
 OPTIONS = {
@@ -53,21 +57,34 @@ def rounds() -> list[str]:
     return plain_rounds()
 
 
-def run(tmp_path: Path, events: dict[str, tuple[list[int], bool]] | None = None) -> str:
-    options = dict(OPTIONS)
+Rounds = dict[str, tuple[list[int], bool]]  # round id: members, completed
+Joins = Sequence[tuple[int, int]]  # (shard, step)
+
+
+def replay(tmp_path: Path, events: Rounds | None = None, joins: Joins = (), **options: object) -> Simulation:
+    """A simulation of OPTIONS (changed by ``options``) that replays these round records and these
+    (shard, step) join records, as a peer writes them."""
+    options = {**OPTIONS, **options}
     if events is not None:
         path = tmp_path / "events.jsonl"
-        lines = [{"kind": "round", "round": r, "members": m, "completed": c} for r, (m, c) in events.items()]
+        lines = [{"kind": "join", "shard": i, "step": s, "peer": f"peer{i}"} for i, s in joins]
+        lines += [{"kind": "round", "round": r, "members": m, "completed": c} for r, (m, c) in events.items()]
         path.write_text("".join(json.dumps(line) + "\n" for line in lines))
         options["events"] = str(path)
-    summary = Simulation(build_config({}, options)).run(RunLog(None))
-    return summary["global_params_sha256"]
+    return Simulation(build_config({}, options))
+
+
+def run(tmp_path: Path, events: Rounds | None = None, joins: Joins = (), **options: object) -> str:
+    return replay(tmp_path, events, joins, **options).run(RunLog(None))["global_params_sha256"]
 
 
 def test_replaying_full_groups_is_the_plain_run(tmp_path: Path, rounds: list[str]) -> None:
     assert len(rounds) >= 5
     full = {r: ([0, 1, 2], True) for r in rounds}
-    assert run(tmp_path, full) == run(tmp_path)
+    plain = run(tmp_path)
+    assert run(tmp_path, full) == plain
+    started = [(0, 0), (1, 0), (2, 0), (2, 0)]  # a join a peer learnt of twice counts once
+    assert run(tmp_path, full, started) == plain
 
 
 def test_a_round_without_a_worker_or_failed_changes_theta_bar(tmp_path: Path, rounds: list[str]) -> None:
@@ -82,6 +99,100 @@ def test_a_round_the_events_do_not_record_is_refused_with_one_line(tmp_path: Pat
     partial = {r: ([0, 1, 2], True) for r in rounds[1:]}
     with pytest.raises(UserError, match=f"no record of round {rounds[0]}"):
         run(tmp_path, partial)
+
+
+# ---- replicas joining a run under way ----
+
+# cocodc's θ̄ of fragment 0 moved at step 6; fragment 1, sent after step 8, is in flight at 9: the
+# joiner applies it at step 10
+JOINED_AT = 9
+
+
+def every_round(before: list[int], after: list[int]) -> Rounds:
+    """Every round id the run could open (so the test does not depend on cocodc's choices): those
+    sent up to JOINED_AT average ``before``, later ones ``after``."""
+    return {
+        f"f{p}:{step}": (before if step <= JOINED_AT else after, True)
+        for p in range(OPTIONS["fragments"])
+        for step in range(1, OPTIONS["steps"] + 1)
+    }
+
+
+def test_a_joiner_starts_from_theta_bar_and_keeps_the_same_theta_bar(tmp_path: Path) -> None:
+    """Shard 2 joins after step 9 and shard 1 leaves (it is in no later group): every live replica
+    holds one θ̄ after every step, the joiner starts from it, and the replay is deterministic."""
+    events = every_round([0, 1], [0, 2])
+    sim = replay(tmp_path, events, [(0, 0), (1, 0), (2, JOINED_AT)], algo="cocodc")
+
+    def check(step: int, record: dict) -> None:
+        assert (2 in sim.workers) == (step >= JOINED_AT)
+        hashes = {params_sha256(w.strategy.global_state()) for w in sim.workers.values()}
+        assert len(hashes) == 1, f"θ̄ differs across replicas after step {step}"
+        if step == JOINED_AT:
+            assert params_sha256(sim.workers[2].trainer.model.state_dict()) == hashes.pop()
+
+    joined = sim.run(RunLog(None), progress=check)["global_params_sha256"]
+    assert joined == run(tmp_path, events, [(0, 0), (1, 0), (2, JOINED_AT)], algo="cocodc")
+    assert joined != run(tmp_path, every_round([0, 1], [0, 1]), [(0, 0), (1, 0)], algo="cocodc")
+
+
+def test_a_join_replays_what_resetting_a_replica_by_hand_computes(tmp_path: Path) -> None:
+    """The reference: shard 2 trains from step 0 but is in no group until step 9, then its replica is
+    reset by hand to what a joiner is (fresh AdamW, θ = θ̄, snapshots of the syncs in flight = θ̄).
+    A replay in which shard 2 joins after step 9, or rejoins then, must end with the same θ̄."""
+    events = every_round([0, 1], [0, 1, 2])
+    reference = replay(tmp_path, events, [(0, 0), (1, 0), (2, 0)], algo="cocodc")
+
+    def reset_shard_2(step: int, record: dict) -> None:
+        if step != JOINED_AT:
+            return
+        worker = reference.workers[2]
+        worker.trainer = InnerTrainer(worker.trainer.model, reference.setup.inner)
+        strategy = worker.strategy
+        assert isinstance(strategy, Strategy) and strategy.in_flight
+        for fragment, outer in zip(strategy.fragments, strategy.outer, strict=True):
+            fragment.write(outer.global_params)
+        for p, sync in strategy.in_flight.items():
+            sync.snapshot = strategy.outer[p].global_params.clone()
+
+    expected = reference.run(RunLog(None), progress=reset_shard_2)["global_params_sha256"]
+    assert run(tmp_path, events, [(0, 0), (1, 0), (2, JOINED_AT)], algo="cocodc") == expected
+    assert run(tmp_path, events, [(0, 0), (1, 0), (2, 0), (2, JOINED_AT)], algo="cocodc") == expected
+    assert run(tmp_path, events, [(0, 0), (1, 0), (2, 0)], algo="cocodc") != expected
+
+
+def test_max_peers_leaves_data_shards_for_joiners(tmp_path: Path) -> None:
+    """--max-peers 4 cuts the data into 4 smaller shards: the 3 workers start on 0-2, shard 3 joins."""
+    sim = replay(
+        tmp_path, every_round([0, 1, 2], [0, 1, 3]), [(0, 0), (1, 0), (2, 0), (3, JOINED_AT)], max_peers=4
+    )
+    assert sim.workers[0].shard.windows.numel() < replay(tmp_path).workers[0].shard.windows.numel()
+    sim.run(RunLog(None))
+    assert list(sim.workers) == [0, 1, 2, 3]
+
+
+def test_a_group_with_a_shard_that_has_not_joined_is_refused_with_one_line(tmp_path: Path) -> None:
+    sim = replay(tmp_path, every_round([0, 2], [0, 2]), [(0, 0), (1, 0), (2, JOINED_AT)])
+    with pytest.raises(
+        UserError, match="round f0:4 averages data shard 2, which no join record starts before it"
+    ):
+        sim.run(RunLog(None))
+
+
+@pytest.mark.parametrize(
+    ("joins", "options", "message"),
+    [
+        ([(0, 0), (1, 0), (2, 8)], {"algo": "ddp"}, "records peers joining a run under way, which a ddp run"),
+        ([(2, 8)], {}, "no join records at step 0"),
+        ([(0, 0), (3, 8)], {}, "a join record needs 'shard' .* below --max-peers 3"),
+        ([(0, 0), (1, -1)], {}, "a join record needs .* 'step' \\(≥ 0\\)"),
+    ],
+)
+def test_joins_that_cannot_be_replayed_are_refused_with_one_line(
+    tmp_path: Path, joins: Joins, options: dict, message: str
+) -> None:
+    with pytest.raises(UserError, match=message):
+        replay(tmp_path, {"g:1": ([0], True)}, joins, **options)
 
 
 @pytest.mark.parametrize(

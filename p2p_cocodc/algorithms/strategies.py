@@ -159,22 +159,59 @@ class Strategy:
         return {k: values.get(k, v) for k, v in self.model.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything this object adds to the replica, to resume bit-exactly: θ̄ and the outer
-        momentum per fragment, the schedule's state, and the syncs in flight (snapshot, send step,
-        due step; in send order). The replica's own parameters belong to its InnerTrainer, and the
-        averaged results a driver holds for the syncs in flight belong to the driver. Tensors are
-        the live ones, not copies."""
+        """Everything this object adds to the replica, to resume bit-exactly: ``shared_state()``
+        with each sync in flight's snapshot added. The replica's own parameters belong to its
+        InnerTrainer, and the averaged results a driver holds for the syncs in flight belong to the
+        driver. Tensors are the live ones, not copies."""
+        state = self.shared_state()
+        for sync, pending in zip(state["in_flight"], self.in_flight.values(), strict=True):
+            sync["snapshot"] = pending.snapshot
+        return state
+
+    def shared_state(self) -> dict[str, Any]:
+        """What every replica of a run holds identically after a step, and a joiner takes over:
+        ``{"outer": [{"global_params", "momentum"} per fragment], "schedule": the schedule's
+        state, "in_flight": [{"fragment", "sent_step", "due_step"} per sync, in send order]}``,
+        tensors and plain values only. The snapshots of the syncs in flight are left out: each
+        replica's own θ_p at the send. Tensors are the live ones, not copies."""
         return {
             "outer": [outer.state_dict() for outer in self.outer],
             "schedule": self.schedule.state_dict(),
             "in_flight": [
-                {"fragment": p, "snapshot": s.snapshot, "sent_step": s.sent_step, "due_step": s.due_step}
+                {"fragment": p, "sent_step": s.sent_step, "due_step": s.due_step}
                 for p, s in self.in_flight.items()
             ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take over a ``state_dict()`` of a strategy of the same algorithm and fragment split."""
+
+        def saved_snapshot(p: int, sync: dict[str, Any]) -> torch.Tensor:
+            like = self.outer[p].global_params
+            return expect_tensor(sync["snapshot"], like, f"snapshot of fragment {p}").clone()
+
+        self._load_shared(state, saved_snapshot)
+
+    def join_from(self, shared: dict[str, Any]) -> None:
+        """Become a replica that joins the run after step S, given a ``shared_state()`` taken then.
+
+        θ̄ and the outer momentum and the schedule are taken over, and the replica's parameters are
+        set to θ̄ (θ ← θ̄ for every fragment): the joiner starts from the global model. The syncs in
+        flight at S are taken over with snapshot θ̄_p at S: the joiner did not send them, so when
+        their averaged Δ_p arrives it applies it like any sync in flight, z_p = outer step of θ̄_p,
+        merged against its local progress since S (g = θ̄_p(S) − θ_p(now) for CoCoDC). The inner
+        optimizer is not part of it: the caller builds this strategy on a fresh replica. Everything
+        taken is copied, so ``shared`` may hold a live replica's tensors; ValueError if it does not
+        fit."""
+        self._load_shared(shared, lambda p, sync: self.outer[p].global_params.clone())
+        for fragment, outer in zip(self.fragments, self.outer, strict=True):
+            fragment.write(outer.global_params)
+
+    def _load_shared(
+        self, state: dict[str, Any], snapshot_of: Callable[[int, dict[str, Any]], torch.Tensor]
+    ) -> None:
+        """Load the outer optimizers, the schedule and the syncs in flight (the snapshot of a sync
+        from ``snapshot_of(fragment, sync record)``); ValueError if ``state`` does not fit."""
         if len(state["outer"]) != len(self.outer):
             raise ValueError(
                 f"the state has {len(state['outer'])} fragments, this strategy {len(self.outer)}"
@@ -187,9 +224,7 @@ class Strategy:
             p = sync["fragment"]
             if not isinstance(p, int) or not 0 <= p < len(self.outer) or p in in_flight:
                 raise ValueError(f"a sync in flight names fragment {p!r}")
-            like = self.outer[p].global_params
-            snapshot = expect_tensor(sync["snapshot"], like, f"snapshot of fragment {p}").clone()
-            in_flight[p] = PendingSync(snapshot, int(sync["sent_step"]), int(sync["due_step"]))
+            in_flight[p] = PendingSync(snapshot_of(p, sync), int(sync["sent_step"]), int(sync["due_step"]))
         self.in_flight = in_flight
 
 
