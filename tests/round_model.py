@@ -3,7 +3,9 @@
 ``explore(seed)`` builds one schedule from a seed and runs it: when each peer reaches the round,
 how long every message takes (so messages overtake each other), which are dropped or duplicated,
 which peers crash and when, how long each peer's view of the board lags behind the truth (dead
-peers linger, new ones appear late), and how long each computation takes. It checks the machine's
+peers linger, new ones appear late), how long each computation takes, and whether one peer only
+fetches the round's average (a peer that joined the run after the round was sent, or came back
+to it: it promises to join no group and asks the others). It checks the machine's
 invariants after every event and returns a ``Verdict``; nothing here reads a real clock.
 """
 
@@ -27,6 +29,7 @@ from p2p_cocodc.swarm.round import (
     Failed,
     Leaving,
     Lost,
+    Phase,
     Received,
     RoundMachine,
     Send,
@@ -64,6 +67,7 @@ class Plan:
     board_lag: dict[tuple[str, str], float]  # (viewer, peer) -> seconds a change of its record takes
     codec: str
     numel: int
+    fetcher: str | None = None  # a peer that only wants the round's average (``take_part=False``)
 
     @property
     def faults(self) -> bool:
@@ -96,6 +100,11 @@ def draw_plan(seed: int) -> Plan:
         leave_at[rng.choice(stayers)] = rng.uniform(0, 15)
     board_lag = {(v, p): rng.uniform(0, 2) for v in ids for p in ids if v != p}
     fast = rng.random() < 0.5
+    fetcher = None
+    extra = random.Random(seed + 1_000_003)  # its own stream: the other draws stay as they were
+    if n >= 3 and extra.random() < 0.25:
+        fetcher = extra.choice(ids)
+        start_at[fetcher] = extra.uniform(0, 40)
     return Plan(
         ids=ids,
         start_at=start_at,
@@ -110,6 +119,7 @@ def draw_plan(seed: int) -> Plan:
         board_lag=board_lag,
         codec=rng.choice(["fp32", "fp32", "int8"]),
         numel=rng.choice([5, 8, 130]),
+        fetcher=fetcher,
     )
 
 
@@ -264,6 +274,8 @@ class World:
                 if peer in self.leaving:
                     continue  # it left before reaching the round: it never starts it
                 self.started.add(peer)
+                if peer == plan.fetcher and self.machine(peer).phase == Phase.IDLE:
+                    self.machine(peer).observe()  # as FragmentExchange.allreduce(take_part=False) does
                 self.feed(peer, Start(STEP, self.vectors[peer]))
                 self.broadcast_views()
             elif kind == "deliver":
@@ -330,6 +342,8 @@ class World:
         groups = {o.members for o in completed.values() if o.by_butterfly}
         if len(groups) > 1:
             return f"two groups completed the round: {groups}"
+        if any(p == self.plan.fetcher for o in completed.values() for p, _ in o.members):
+            return "the peer that only fetches the average was listed in the group"
         averages = list(completed.values())
         for o in averages[1:]:
             if not torch.equal(o.average, averages[0].average):
@@ -359,7 +373,7 @@ class World:
         if late:
             return f"peers settled after the bound {bound:.0f} s: {late}"
         if not self.plan.crash_at and not self.plan.drop:  # a leave is no fault: it finishes its rounds
-            full = tuple(sorted(self.plan.ids))
+            full = tuple(sorted(p for p in self.plan.ids if p != self.plan.fetcher))
             for p in live:
                 o = self.outcomes[p]
                 if not isinstance(o, Completed):

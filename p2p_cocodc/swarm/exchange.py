@@ -197,7 +197,8 @@ class FragmentExchange:
         self.waiting[round_id] = outcome
         try:
             if machine.phase == Phase.IDLE:
-                machine.gave_round_up |= not take_part
+                if not take_part:
+                    machine.observe()
                 self._feed(round_id, machine, Start(step, vector))
             elif take_part:
                 raise RoundFailed(f"round {round_id} was already run here")

@@ -14,7 +14,7 @@ type-checked and bounded, and anything else is a ``BadMessage`` naming what was 
 | PART | members, index, numel, data | my encoding of slice ``index`` for its owner |
 | RESULT | members, index, numel, data | the owner's encoded mean of slice ``index`` |
 | ACK | kind, index | a PART or RESULT arrived |
-| FETCH | ask, members | "give me the average" (a left-out peer, or one whose all-reduce failed; its group) |
+| FETCH | ask, members, observer | "give me the average" (a left-out or failed member; an observer) |
 | AVERAGE | members, numel, data | the round's average, fp32, bit-exact |
 | STATUS | status, detail, ask | where the round stands here, when that is the whole answer (see ``Status``) |
 | BYE | | the sender is leaving the run (round "-"): it joins no new group, finishes what it is in |
@@ -136,10 +136,11 @@ class Ack(Message):
 class Fetch(Message):
     ask: int = 0  # numbers the asker's FETCHes; the STATUS answering it repeats the number
     members: Members = ()  # the asker's group of the round, if it has one
+    observer: bool = False  # the asker only wants the average (it joined the run after the round)
     code: ClassVar[Code] = Code.FETCH
 
     def fields(self) -> dict[str, Any]:
-        return {"ask": self.ask, "members": [list(m) for m in self.members]}
+        return {"ask": self.ask, "members": [list(m) for m in self.members], "observer": self.observer}
 
 
 @dataclass(frozen=True)
@@ -194,10 +195,12 @@ def parse_message(body: Any) -> Message:
     if code == Code.LEADER:
         return Leader(round_id, _peer_id(body.get("leader"), "leader"))
     if code == Code.FETCH:
-        ask, members = body.get("ask"), body.get("members")
-        if not _is_index(ask) or not isinstance(members, list):
-            raise BadMessage("FETCH needs an int 'ask' and a 'members' list (empty without a group)")
-        return Fetch(round_id, ask, parse_members(members) if members else ())
+        ask, members, observer = body.get("ask"), body.get("members"), body.get("observer")
+        if not _is_index(ask) or not isinstance(members, list) or not isinstance(observer, bool):
+            raise BadMessage(
+                "FETCH needs an int 'ask', a 'members' list (empty without a group) and a bool 'observer'"
+            )
+        return Fetch(round_id, ask, parse_members(members) if members else (), observer)
     if code == Code.ACK:
         kind, index = body.get("kind"), body.get("index")
         if kind not in (Code.PART, Code.RESULT) or not _is_index(index):

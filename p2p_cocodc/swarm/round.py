@@ -306,6 +306,7 @@ class RoundMachine:
         self.answered_probe: dict[str, float] = {}  # peer -> when it last answered a JOIN/PROBE of ours
         self.points_to: dict[str, str] = {}  # peer -> the leader it named in its last LEADER answer
         self.gave_round_up = False  # asked for the average with no group: it joins no group, ever
+        self.observer = False  # only here for the average (``observe``): no peer promises anything to it
         self.last_sent: dict[tuple[Code, str], float] = {}
         # the group and the butterfly
         self.members: Members | None = None
@@ -341,6 +342,13 @@ class RoundMachine:
                 self._settle(Failed("this peer left the run before the round formed"), now, out)
         self._advance(now, out)
         return out
+
+    def observe(self) -> None:
+        """Before Start: this peer only wants the round's average (it took the swarm's state after
+        the round was sent). It joins no group, and peers that have not reached the round answer
+        it BUSY instead of promising to stay out: an observer must not make the round fail."""
+        self.gave_round_up = True
+        self.observer = True
 
     @property
     def settled(self) -> bool:
@@ -460,6 +468,8 @@ class RoundMachine:
     def _on_join(self, sender: str, msg: Join, now: float, out: list[Effect]) -> None:
         if self.members is not None:
             self._send(out, sender, Group(self.round_id, self.members), now, expect=False)
+        elif isinstance(self.outcome, Completed):  # copied from a group we were not in: that group
+            self._send(out, sender, Group(self.round_id, self.outcome.members), now, expect=False)
         elif self.phase == Phase.DONE or self.phase == Phase.RECOVERING:
             self._reply_settled(out, sender, now)
         elif msg.code == Code.JOIN and self.leader(now) == self.me:
@@ -534,8 +544,9 @@ class RoundMachine:
             self._send(out, sender, reply, now, expect=False)
         elif self.outcome is not None or self.phase == Phase.RECOVERING:
             self._reply_settled(out, sender, now, msg.ask)
-        elif self.phase != Phase.IDLE or self._is_member(self.me) or self.joins:
-            # forming (our leader may list us yet), running, or leading: we may still complete
+        elif self.phase != Phase.IDLE or self._is_member(self.me) or self.joins or msg.observer:
+            # forming (our leader may list us yet), running, or leading: we may still complete; and
+            # not there yet, we keep an observer waiting rather than give the round up for it
             self._reply_status(out, sender, Status.BUSY, "still in the round", now, msg.ask)
         else:
             self._give_round_up(sender, msg.ask, now, out)
@@ -812,7 +823,8 @@ class RoundMachine:
             if self._due(Code.FETCH, peer, now):
                 rec.asks += 1
                 rec.unanswered_since.setdefault(peer, now)
-                self._send(out, peer, Fetch(self.round_id, ask=rec.asks, members=self.members or ()), now)
+                fetch = Fetch(self.round_id, ask=rec.asks, members=self.members or (), observer=self.observer)
+                self._send(out, peer, fetch, now)
         if pending or "decode" in self.jobs_out:
             return
         lost = any(status == Status.GONE for status, _ in rec.answers.values())
@@ -847,7 +859,9 @@ class RoundMachine:
 
     def _reply_settled(self, out: list[Effect], to: str, now: float, ask: int = 0) -> None:
         """A peer that has no average to give and will not complete the round itself says so."""
-        if isinstance(self.outcome, Failed) and self.gave_round_up:  # it dropped out, like a promise
+        # one that dropped out answers like a promise; an observer that found no average failed
+        # the round (a peer that reaches it later must not complete it alone)
+        if isinstance(self.outcome, Failed) and self.gave_round_up and not self.observer:
             self._reply_status(out, to, Status.WAITING, self.outcome.reason, now, ask)
         elif isinstance(self.outcome, Failed):
             self._reply_status(out, to, Status.FAILED, self.outcome.reason, now, ask)
