@@ -160,6 +160,12 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
 @click.option("--announce", default=None, help="address other peers dial (default: --host)")
 @click.option("--shard", default=None, metavar="I/N", help="read data shard I of N (default: by peer id)")
 @click.option(
+    "--identity",
+    default=None,
+    metavar="FILE",
+    help="private key file, created if missing: a restarted peer keeps its id (default: a new id each run)",
+)
+@click.option(
     "--wait-peers", type=float, default=None, help="seconds to wait for --workers peers [default: 300]"
 )
 @click.option(

@@ -14,6 +14,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,19 +23,28 @@ from typing import Any
 
 import torch
 
+from p2p_cocodc.algorithms.state import expect_list
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import RunLog
-from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
+from p2p_cocodc.swarm.dht import check_identity, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
+from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
 from p2p_cocodc.training import TrainingSetup, summary_record
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0  # on SIGINT/SIGTERM, how long syncs in flight may still take
 FAILING_STREAK = 3  # this many syncs of every fragment failing in a row: the swarm is not syncing
+MAX_RESYNCS = 5  # a peer that had to take the swarm's state again this often stops
+DONORS = 3  # a joiner asks this many live peers for the state (at least 2 where there are)
+
+
+class Resync(Exception):
+    """This peer's θ̄ can no longer be trusted to be the swarm's (it was stopped past its record's
+    lifetime, or a round completed without it and its average is gone): take the state again."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,7 @@ class SwarmOptions:
     port: int = 0
     announce: str | None = None
     shard: tuple[int, int] | None = None
+    identity: str | None = None
     wait_peers_s: float = 300.0
     round_timeout_s: float = 60.0
     heartbeat_s: float = 1.0
@@ -67,6 +78,7 @@ SWARM_KEYS = {
     "port": int,
     "announce": str,
     "shard": str,
+    "identity": str,
     "wait_peers": float,
     "round_timeout": float,
 }
@@ -120,18 +132,24 @@ def fingerprint(setup: TrainingSetup, settings: AlgoSettings) -> str:
         "seed": cfg.seed,
         "codec": cfg.codec,
         "workers": cfg.workers,
+        "data_shards": cfg.data_shards,
     }
     return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def fragment_round(p: int, step: int) -> str:
+    """The id of the round that syncs fragment ``p`` sent after inner step ``step``."""
+    return f"f{p}:{step}"
 
 
 class Peer:
     """One region of a run; ``run`` trains, writes records like ``simulate``, returns the summary."""
 
     def __init__(self, cfg: TrainConfig, opts: SwarmOptions) -> None:
-        if opts.shard is not None and opts.shard[1] != cfg.workers:
+        if opts.shard is not None and opts.shard[1] != cfg.data_shards:
             raise UserError(
-                f"--shard {opts.shard[0]}/{opts.shard[1]}: N must equal --workers {cfg.workers} "
-                "(the number of peers the run's data is split among)"
+                f"--shard {opts.shard[0]}/{opts.shard[1]}: N must equal --max-peers {cfg.data_shards} "
+                "(the number of shards the run's data is cut into; by default --workers)"
             )
         self.cfg = cfg
         self.opts = opts
@@ -155,8 +173,13 @@ class Peer:
         self.run_log: RunLog | None = None
         self.shard_index: int | None = opts.shard[0] if opts.shard else None
         self.exchange: FragmentExchange | None = None
+        self.state_server: StateServer | None = None
+        self.p2p: Any = None
         self.heartbeat: asyncio.Task[None] | None = None
         self.watchdog: asyncio.Task[None] | None = None
+        self.joined_at = 0  # the step whose end this peer took the swarm's state at (0: started the run)
+        self.resyncs = 0  # times this peer took the state again after it fell out of the swarm
+        self.joins_recorded: set[tuple[str, int]] = set()  # (peer, joined_at) written to --out
 
     # ---- lifecycle ----
 
@@ -165,20 +188,23 @@ class Peer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        self.run_log = log_file
+        if self.opts.identity is not None:
+            check_identity(self.opts.identity)
         initial = await asyncio.to_thread(parse_bootstrap, self.opts.bootstrap)
         # Created on the main thread: the at-fork death signal is tied to the forking thread.
-        dht = start_dht(initial, self.opts.host, self.opts.port, self.opts.announce)
+        dht = start_dht(initial, self.opts.host, self.opts.port, self.opts.announce, self.opts.identity)
         daemon_socket = p2pd_socket(dht)
         p2p = None
         try:
-            p2p = await dht.replicate_p2p()
+            p2p = self.p2p = await dht.replicate_p2p()
             self.peer_id = p2p.peer_id.to_base58()
             # A record outlives 8 heartbeats: a peer briefly starved of CPU must not vanish from the
             # board (a leader would form rounds without it); a dead one is gone within 8 s.
             board = Board(dht, self.opts.run_id, self.peer_id, ttl_s=8 * self.opts.heartbeat_s)
             await self._refresh(board)
             self.heartbeat = asyncio.create_task(self._heartbeat(board))
-            await self._wait_for_peers(stop)
+            under_way = await self._wait_for_peers(stop)
             self.exchange = FragmentExchange(
                 p2p,
                 self.opts.run_id,
@@ -189,14 +215,24 @@ class Peer:
                 self.opts.round_timeout_s,
                 record_ttl_s=board.ttl_s,
             )
+            self.exchange.set_joining(under_way)
             await self.exchange.start()
-            self.state = "training"
-            await self._refresh(board)
-            await self._wait_for_start(stop)
+            if isinstance(self.strategy, Strategy):
+                self.state_server = StateServer(
+                    p2p, self.opts.run_id, self.fingerprint, lambda: self.step, self._shared_state
+                )
+                await self.state_server.start()
+            if under_way:
+                await self._take_state(board, stop)
+            else:
+                self.state = "training"
+                await self._refresh(board)
+                self._record_join(self.peer_id, 0)
+                await self._wait_for_start(stop)
             leave = asyncio.create_task(self._leave_when(stop, board))
             self.watchdog = asyncio.create_task(self._watch_for_lapse(board))
             try:
-                summary = await self._train(log_file, stop, progress)
+                summary = await self._train(log_file, stop, progress, board)
             finally:
                 if stop.is_set():  # the others must read "leaving" before anything else
                     await asyncio.wait({leave}, timeout=board.timeout)
@@ -207,6 +243,8 @@ class Peer:
             except ConnectionError as exc:  # the summary is written; others see us expire instead
                 log.warning("could not announce 'done' on the board: %s", exc)
             await self.exchange.stop()
+            if self.state_server is not None:
+                await self.state_server.stop()
             return summary
         except ConnectionError as exc:
             raise UserError(f"the swarm's DHT does not answer ({exc}); is the bootstrap still up?") from None
@@ -226,17 +264,20 @@ class Peer:
     async def _watch_for_lapse(self, board: Board) -> None:
         """Notice that this process was stopped (SIGSTOP, a suspended VM, swap) for longer than its
         record lives: the others have taken it for gone and gone on without it, so it must not
-        carry on as if it were still in their rounds."""
+        carry on as if it were still in their rounds: it takes the swarm's state again."""
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.opts.heartbeat_s)
             now = time.monotonic()
             if now - last > board.ttl_s - self.opts.heartbeat_s:  # its last record may have lapsed
-                raise UserError(
+                what = (
                     f"this peer was stopped for {now - last:.0f} s, longer than its board record lives "
-                    f"({board.ttl_s:.0f} s): the swarm has gone on without it and its θ̄ is behind, so it "
-                    "stops (a peer cannot rejoin a run in progress yet)"
+                    f"({board.ttl_s:.0f} s): the swarm has gone on without it"
                 )
+                if not isinstance(self.strategy, Strategy):
+                    raise UserError(f"{what}, and a ddp peer cannot take the swarm's state again; it stops")
+                self.state = "joining"  # the next heartbeat must not say "training" any more
+                raise Resync(what)
             last = now
 
     async def _leave_when(self, stop: asyncio.Event, board: Board) -> None:
@@ -257,13 +298,14 @@ class Peer:
             state=self.state,
             step=self.step,
             shard=self.shard_index,
-            num_shards=self.cfg.workers,
+            num_shards=self.cfg.data_shards,
             step_time_s=self.step_time_s,
             bandwidth_mbps=ex.stats.bandwidth_mbps if ex else 0.0,
             fingerprint=self.fingerprint,
             versions=list(self.versions),
             stall_s=self.stall_s,
             bytes_sent=ex.stats.bytes_sent if ex else 0,
+            joined_at=self.joined_at,
         )
 
     async def _refresh(self, board: Board, publish: bool = True, read: bool = True) -> None:
@@ -277,6 +319,9 @@ class Peer:
         if not read:
             return
         fresh = await board.peers()
+        for peer, record in fresh.items():
+            if record.fingerprint == self.fingerprint and record.state in ("training", "leaving", "done"):
+                self._record_join(peer, record.joined_at, record.shard)
         now = time.monotonic()
         self.last_seen.update(dict.fromkeys(fresh, now))
         view = {**self.view, **fresh}
@@ -357,8 +402,9 @@ class Peer:
             if task is not None and task.done() and not task.cancelled():
                 task.result()
 
-    async def _wait_for_peers(self, stop: asyncio.Event) -> None:
-        """Block until --workers peers of this run are live, then settle this peer's data shard."""
+    async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
+        """Block until this peer can train, and settle its data shard: True when the run is under
+        way (it joins it), False once --workers peers of this run are live (it starts with them)."""
         deadline = time.monotonic() + self.opts.wait_peers_s
         while True:
             same = {p: r for p, r in self.view.items() if r.fingerprint == self.fingerprint}
@@ -368,19 +414,140 @@ class Peer:
                         f"peer {peer[:12]} of run {self.opts.run_id!r} uses a different configuration: "
                         "start every peer with the same options (or profile), or pick another --run-id"
                     )
-            training = [p for p, r in same.items() if r.state == "training" and p != self.peer_id]
-            if len(training) >= self.cfg.workers:
-                raise UserError(
-                    f"run {self.opts.run_id!r} already trains with {len(training)} peers (--workers "
-                    f"{self.cfg.workers}); joining a run in progress is not supported yet: use another "
-                    "--run-id"
-                )
+            # our own record may be a stale one of this identity's previous process: not a peer
+            training = [r for p, r in same.items() if r.state == "training" and p != self.peer_id]
+            if len(training) >= self.cfg.workers or any(r.step > 0 for r in training):
+                if not isinstance(self.strategy, Strategy):
+                    raise UserError(
+                        f"run {self.opts.run_id!r} is under way, and a ddp run cannot take a peer in "
+                        "progress: use another --run-id, or a DiLoCo-family --algo"
+                    )
+                self._take_free_shard(same)
+                return True
             live = sorted(p for p, r in same.items() if r.state in ("waiting", "training"))
             if len(live) >= self.cfg.workers and self.peer_id in live:
                 self._settle_shard(live, same)
-                return
+                return False
             self._check_wait(stop, deadline, f"only {len(live)} of --workers {self.cfg.workers} peers joined")
             await asyncio.sleep(0.2)
+
+    def _take_free_shard(self, records: dict[str, PeerRecord]) -> None:
+        """A data shard no live peer reads, for a peer joining a run under way: its --shard, or the
+        one this identity read before (a restart), or the first free one."""
+        taken = {
+            r.shard: p
+            for p, r in records.items()
+            if r.shard is not None and p != self.peer_id and r.state != "done"
+        }
+        shards = self.cfg.data_shards
+        if self.shard_index is not None:
+            if self.shard_index in taken:
+                raise UserError(
+                    f"--shard {self.shard_index}/{shards} is already read by peer "
+                    f"{taken[self.shard_index][:12]}: give each peer its own shard"
+                )
+            return
+        free = [i for i in range(shards) if i not in taken]
+        if not free:
+            raise UserError(
+                f"run {self.opts.run_id!r} is full: its peers read all {shards} data shards (--max-peers "
+                f"{shards}); wait for a peer to leave, or start the run with a larger --max-peers"
+            )
+        before = records.get(self.peer_id)
+        self.shard_index = before.shard if before is not None and before.shard in free else free[0]
+
+    async def _take_state(self, board: Board, stop: asyncio.Event) -> None:
+        """Take the swarm's shared state at the end of a step S from live peers and go on from
+        there (``swarm/state_transfer.py``): a peer joining a run under way, or one that fell out of
+        it. Until it has, its record says "joining": no round counts on it. The syncs in flight at
+        S it did not take part in; it fetches their averages and applies them when they are due,
+        like every other peer."""
+        assert isinstance(self.strategy, Strategy) and self.exchange is not None
+        self.state = "joining"
+        self.exchange.set_joining(True)
+        if self.state_server is not None:
+            self.state_server.serving = False  # our state is behind: never hand it to a joiner
+        for task in self.pending.values():
+            task.cancel()
+        self.pending.clear()
+        await self._refresh(board)  # the others stop counting on us at once
+        deadline = time.monotonic() + self.opts.wait_peers_s
+        while True:
+            self._check_swarm()
+            donors = sorted(
+                (
+                    p
+                    for p, r in self.view.items()
+                    if p != self.peer_id and r.fingerprint == self.fingerprint and r.state == "training"
+                ),
+                key=lambda p: (-self.view[p].step, p),
+            )[:DONORS]
+            if donors:
+                break
+            if any(r.state == "done" and r.fingerprint == self.fingerprint for r in self.view.values()):
+                raise UserError(
+                    f"run {self.opts.run_id!r} has finished without this peer: no peer trains any more to "
+                    "take the swarm's state from"
+                )
+            self._check_wait(stop, deadline, "no peer to take the swarm's state from in")
+            await asyncio.sleep(0.2)
+        step_time = max(max(self.view[d].step_time_s for d in donors), 1e-3)
+        margin = max(2, math.ceil(2 * self.opts.heartbeat_s / step_time))
+        ahead = max(self.view[d].step for d in donors) + margin
+        try:
+            pulled = await pull_state(self.p2p, self.opts.run_id, self.fingerprint, donors, ahead, margin)
+        except StateUnavailable as exc:
+            raise UserError(f"could not take the swarm's state in run {self.opts.run_id!r}: {exc}") from None
+        if pulled.step >= self.cfg.steps:
+            raise UserError(
+                f"run {self.opts.run_id!r} is at step {pulled.step} of --steps {self.cfg.steps}: nothing "
+                "left to train"
+            )
+        self.trainer, self.strategy = self.setup.replica(self.settings)
+        assert isinstance(self.strategy, Strategy)
+        try:
+            self.strategy.join_from(pulled.state["strategy"])
+            versions = expect_list(pulled.state["versions"], len(self.versions), int, "fragment versions")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"the state the donors sent does not fit this run ({exc})") from None
+        self.versions = versions
+        self.step = self.joined_at = pulled.step
+        for p, sync in self.strategy.in_flight.items():
+            size = torch.zeros_like(self.strategy.outer[p].global_params)
+            round_id = fragment_round(p, sync.sent_step)
+            fetch = self.exchange.allreduce(round_id, size, sync.sent_step, take_part=False)
+            self.pending[p] = asyncio.create_task(fetch)
+        self.state = "training"
+        self.exchange.set_joining(False)
+        self.failed_in_a_row = 0
+        if self.state_server is not None:
+            self.state_server.serving = True
+        await self._refresh(board)
+        self._record_join(self.peer_id, self.joined_at)
+        log.warning(
+            "took the swarm's state at the end of step %d from %d donors (%s): %.1f MB in %.1f s; "
+            "fetching the %d syncs in flight",
+            pulled.step,
+            len(pulled.donors),
+            ", ".join(d[:12] for d in pulled.donors),
+            pulled.num_bytes / 1e6,
+            pulled.seconds,
+            len(self.pending),
+        )
+
+    def _shared_state(self) -> dict[str, Any]:
+        """A copy of what every live peer holds identically now, for a joiner (a step boundary)."""
+        assert isinstance(self.strategy, Strategy)
+        return {"strategy": copy.deepcopy(self.strategy.shared_state()), "versions": list(self.versions)}
+
+    def _record_join(self, peer: str, joined_at: int, shard: int | None = None) -> None:
+        """One record in --out per peer (and per time it took the state) this peer learns of: the
+        data shard whose replica starts after step ``joined_at``. ``simulate --events`` replays it."""
+        shard = self.shard_index if peer == self.peer_id else shard
+        if self.run_log is None or shard is None or (peer, joined_at) in self.joins_recorded:
+            return
+        self.joins_recorded.add((peer, joined_at))
+        self.run_log.write({"kind": "join", "shard": shard, "step": joined_at, "peer": peer})
 
     async def _wait_for_start(self, stop: asyncio.Event) -> None:
         """Start step 1 only once every peer shows 'training': then all agree on each round's leader."""
@@ -419,7 +586,7 @@ class Peer:
             self.shard_index = free[unsettled.index(self.peer_id)]
         elif self.shard_index in taken:
             raise UserError(
-                f"--shard {self.shard_index}/{self.cfg.workers} is already read by peer "
+                f"--shard {self.shard_index}/{self.cfg.data_shards} is already read by peer "
                 f"{taken[self.shard_index][:12]}: give each peer its own shard"
             )
 
@@ -428,29 +595,37 @@ class Peer:
     async def _in_train_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.train_pool, fn, *args)
 
-    async def _train(self, log_file: RunLog, stop: asyncio.Event, progress: Any) -> dict[str, Any]:
+    async def _train(
+        self, log_file: RunLog, stop: asyncio.Event, progress: Any, board: Board
+    ) -> dict[str, Any]:
         cfg = self.cfg
         assert self.shard_index is not None and self.exchange is not None
-        self.run_log = log_file
-        shard = self.setup.shard(self.shard_index, cfg.workers)
+        shard = self.setup.shard(self.shard_index, cfg.data_shards)
         started = time.perf_counter()
         train_losses: list[float] = []
-        first = last = await self._evaluate(0, started, train_losses, log_file)
-        for step in range(1, cfg.steps + 1):
+        first = last = await self._evaluate(self.step, started, train_losses, log_file)
+        while self.step < cfg.steps:
             if stop.is_set():
                 log.warning("stopping after step %d on a signal", self.step)
                 break
-            self._check_swarm()
-            t0 = time.perf_counter()
-            train_losses.append(await self._inner_step(step, *shard.batch(step - 1)))
-            elapsed = time.perf_counter() - t0
-            self.step_time_s = elapsed if step == 1 else 0.9 * self.step_time_s + 0.1 * elapsed
-            self.step = step
-            if isinstance(self.strategy, Strategy):
-                await self._apply_due(step, stop)
-                if not stop.is_set():
-                    self._send(step)
+            step = self.step + 1
+            try:
+                self._check_swarm()
+                t0 = time.perf_counter()
+                train_losses.append(await self._inner_step(step, *shard.batch(step - 1)))
+                elapsed = time.perf_counter() - t0
+                self.step_time_s = elapsed if step == 1 else 0.9 * self.step_time_s + 0.1 * elapsed
+                self.step = step
+                if isinstance(self.strategy, Strategy):
                     await self._apply_due(step, stop)
+                    if not stop.is_set():
+                        self._send(step)
+                        await self._apply_due(step, stop)
+            except Resync as exc:
+                await self._resync(board, stop, exc)
+                continue
+            if self.state_server is not None:
+                self.state_server.step_done(step)
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last = await self._evaluate(step, started, train_losses, log_file)
             if progress is not None:
@@ -477,9 +652,25 @@ class Peer:
             bytes_served=stats.bytes_served,
             peer_id=self.peer_id,
             shard=self.shard_index,
+            joined_at=self.joined_at,
+            resyncs=self.resyncs,
+            state_copy_s=self.state_server.copy_s if self.state_server else 0.0,
         )
         log_file.write(summary)
         return summary
+
+    async def _resync(self, board: Board, stop: asyncio.Event, why: Resync) -> None:
+        """This peer fell out of the swarm (``Resync``): take the swarm's state again, as a joiner."""
+        self.resyncs += 1
+        if self.resyncs > MAX_RESYNCS:
+            raise UserError(
+                f"{why}; this peer had to take the swarm's state {MAX_RESYNCS} times already, so it stops: "
+                "is this machine stopped or cut off again and again?"
+            )
+        log.warning("%s: taking the swarm's state again (resync %d)", why, self.resyncs)
+        if self.watchdog is not None and self.watchdog.done():  # it ended with this Resync
+            self.watchdog = asyncio.create_task(self._watch_for_lapse(board))
+        await self._take_state(board, stop)
 
     async def _inner_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float:
         if not isinstance(self.strategy, DataParallel):
@@ -512,7 +703,8 @@ class Peer:
         assert isinstance(self.strategy, Strategy) and self.exchange is not None
         for p in self.strategy.sends_after(step):
             payload = self.strategy.payload(p, step)
-            self.pending[p] = asyncio.create_task(self.exchange.allreduce(f"f{p}:{step}", payload, step))
+            sync = self.exchange.allreduce(fragment_round(p, step), payload, step)
+            self.pending[p] = asyncio.create_task(sync)
 
     async def _apply_due(self, step: int, stop: asyncio.Event) -> None:
         assert isinstance(self.strategy, Strategy)
@@ -530,7 +722,7 @@ class Peer:
             if not task.done():
                 return
             del self.pending[p]
-            round_id = f"f{p}:{self.strategy.in_flight[p].sent_step}"
+            round_id = fragment_round(p, self.strategy.in_flight[p].sent_step)
             try:
                 averaged = task.result()
             except RoundFailed as exc:
@@ -552,16 +744,16 @@ class Peer:
 
     def _sync_failed(self, p: int, step: int, exc: RoundFailed) -> None:
         """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one
-        the others completed without us (``RoundLost``) would leave θ̄ behind theirs, so the run
-        stops; and syncs that keep failing mean this peer is not training with a swarm."""
+        the others completed without us (``RoundLost``) leaves θ̄ behind theirs, so this peer takes
+        the swarm's state again; and syncs that keep failing mean it is not training with a swarm."""
+        assert isinstance(self.strategy, Strategy)
         if isinstance(exc, RoundLost):
-            raise UserError(
-                f"the swarm completed the sync of fragment {p} after step {step} without this peer, and "
-                f"its average is no longer kept ({exc}); this peer's θ̄ is no longer the swarm's, so it "
-                "stops (was it stopped or cut off for minutes?)"
+            raise Resync(
+                f"the swarm completed the sync of fragment {p} sent after step "
+                f"{self.strategy.in_flight[p].sent_step} without this peer, and its average is no longer "
+                f"kept ({exc})"
             )
         log.warning("sync of fragment %d after step %d failed on every peer (%s); skipped", p, step, exc)
-        assert isinstance(self.strategy, Strategy)
         self.strategy.abandon(p)
         self.failed_in_a_row += 1
         if self.failed_in_a_row >= FAILING_STREAK * len(self.strategy.fragments):

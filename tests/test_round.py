@@ -256,3 +256,20 @@ def test_a_crashed_member_is_given_up_when_it_leaves_the_board_not_at_the_deadli
     net.run(60, net.settled(A, B))
     assert all(isinstance(net.outcomes[p], Failed) for p in (A, B))
     assert max(net.settled_at[p] for p in (A, B)) < DL.allreduce_by(0, 0)
+
+
+def test_a_restarted_member_answers_its_old_rounds_failed_at_once() -> None:
+    """C crashes mid-round and is started again with the same identity: its new machine, listed in a
+    group it never joined (its earlier process did), settles failed and says so, and the survivors
+    fail the round at once instead of waiting on a member that is "still in the round"."""
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    net.drop = lambda sender, to, message: C in (sender, to) and message.code in (Code.PART, Code.RESULT)
+    for peer in (A, B, C):
+        net.start(peer, full(1.0))
+    net.run(2)
+    assert net.machines[A].members is not None and C not in net.outcomes
+    net.machines[C] = RoundMachine(C, "f0:5", 2, "fp", net.codec, DL, {A: BoardPeer(STEP, 0.01)}, net.now)
+    net.drop = lambda sender, to, message: False
+    net.run(30, net.settled(A, B))
+    assert all(isinstance(net.outcomes[p], Failed) for p in (A, B, C))
+    assert max(net.settled_at[p] for p in (A, B)) < 2 + DL.answer_s  # not after C's silence

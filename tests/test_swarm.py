@@ -51,6 +51,11 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def evals(path: Path) -> int:
+    """How many evaluations of θ̄ a peer has written: how far its training has come."""
+    return sum(r["kind"] == "eval" for r in records(path)) if path.exists() else 0
+
+
 @pytest.mark.parametrize("algo", ["streaming", "cocodc"])
 def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
     boot = start_bootstrap(tmp_path)
@@ -149,7 +154,7 @@ def start_three_training(
         args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", run_id, "--verbose"]
         peers.append(spawn(args, tmp_path, f"peer{i}.log"))
     outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
-    wait_for(lambda: all(o.exists() and len(records(o)) >= 3 for o in outs), 120, "training to be under way")
+    wait_for(lambda: all(evals(o) >= 2 for o in outs), 120, "training to be under way")
     return outs
 
 
@@ -215,6 +220,63 @@ def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
     assert replayed["global_params_sha256"] == summaries[0]["global_params_sha256"]
 
 
+def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: Path) -> None:
+    """A fourth peer joins a three-peer run under way (--max-peers 4): it takes θ̄, the outer
+    momentum and the schedule from the others at the end of a step and trains from there. Then a
+    founder is killed (SIGKILL, a crash) and started again with the same command and --identity: it
+    rejoins the same way, on its old data shard. Every peer ends with one θ̄, and the simulator
+    replays a founder's records (rounds and joins) to the same θ̄."""
+    boot = start_bootstrap(tmp_path)
+    common = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "800"]
+    common += ["--max-peers", "4", "--run-id", "elastic", "--verbose"]
+
+    def start(name: str, identity: str) -> subprocess.Popen:
+        args = [*common, "--identity", identity, "--out", f"{name}.jsonl"]
+        return spawn(args, tmp_path, f"{name}.log")
+
+    def joined(name: str) -> dict | None:  # the join record a peer writes for itself once it has the state
+        path = tmp_path / f"{name}.jsonl"
+        mine = [r for r in records(path) if r["kind"] == "join"] if path.exists() else []
+        return next((r for r in mine if r["step"] > 0), None)
+
+    peers: dict[str, subprocess.Popen] = {}
+    try:
+        for i in range(3):
+            peers[f"peer{i}"] = start(f"peer{i}", f"peer{i}.id")
+        outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
+        wait_for(lambda: all(evals(o) >= 1 for o in outs), 120, "training to be under way")
+        peers["joiner"] = start("joiner", "joiner.id")
+        wait_for(lambda: joined("joiner"), 120, "the joiner to take the swarm's state")
+        sigkill_like_a_crash(peers["peer1"].pid)
+        peers["peer1-again"] = start("peer1-again", "peer1.id")
+        wait_for(lambda: joined("peer1-again"), 120, "the restarted peer to take the swarm's state")
+        finishers = ["peer0", "peer2", "joiner", "peer1-again"]
+        for name in finishers:
+            assert peers[name].wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for proc in [*peers.values(), boot.proc]:
+            end_group(proc)
+
+    summaries = {name: records(tmp_path / f"{name}.jsonl")[-1] for name in finishers}
+    logs = "\n".join((tmp_path / f"{name}.log").read_text()[-4000:] for name in finishers)
+    hashes = {name: s["global_params_sha256"] for name, s in summaries.items()}
+    assert len(set(hashes.values())) == 1, (hashes, logs)
+    assert all(s["kind"] == "summary" and s["steps"] == 800 for s in summaries.values())
+    assert summaries["joiner"]["joined_at"] > 0 and summaries["peer1-again"]["joined_at"] > 0
+    assert summaries["joiner"]["shard"] == 3  # the one shard the founders left free
+    assert sorted(s["shard"] for s in summaries.values()) == [0, 1, 2, 3]  # peer1 took its old one back
+    assert summaries["peer0"]["rounds_failed"] <= 2, logs
+    # the donors' training waited only to copy their state (a memcpy of θ̄ and the momentum)
+    assert all(summaries[n]["state_copy_s"] < 1.0 for n in ("peer0", "peer2")), summaries
+    # the joiner took part in rounds: its shard is among the members of later rounds
+    members = [r["members"] for r in records(tmp_path / "peer0.jsonl") if r["kind"] == "round"]
+    assert any(3 in m for m in members) and any(1 in m for m in members[-4:]), members
+    replay = ["simulate", "--algo", "cocodc", *TINY, "--steps", "800", "--max-peers", "4"]
+    sim = run_cli([*replay, "--events", "peer0.jsonl", "--out", "replay.jsonl"], tmp_path, timeout=180)
+    assert sim.returncode == 0, sim.stderr
+    assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == hashes["peer0"]
+
+
 def board_peers(boot_status: str, run_id: str) -> dict:
     with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
         return json.load(reply)["runs"].get(run_id, {}).get("peers", {})
@@ -222,13 +284,13 @@ def board_peers(boot_status: str, run_id: str) -> dict:
 
 def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_path: Path) -> None:
     """The round leader is frozen (SIGSTOP: a suspended VM, swap, a debugger) until its record has
-    lapsed, then resumed: the others go on without it, and it notices on waking that it was away and
-    stops with an error, instead of leading rounds alone and ending with another θ̄ (it cannot
-    rejoin a run in progress yet)."""
+    lapsed, then resumed: the others go on without it, and it notices on waking that it was away,
+    takes the swarm's state again like a joiner and trains on with the others, instead of leading
+    rounds alone and ending with another θ̄."""
     boot = start_bootstrap(tmp_path)
     peers = []
     try:
-        outs = start_three_training(tmp_path, boot, "frozen", 160, peers)
+        outs = start_three_training(tmp_path, boot, "frozen", 600, peers)
         frozen = round_leader_shard(boot.host_port, "frozen")
         others = [i for i in range(3) if i != frozen]
         peers[frozen].send_signal(signal.SIGSTOP)
@@ -239,15 +301,15 @@ def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_
                 return set(others) <= listed and frozen not in listed
 
             wait_for(lapsed, 60, "the frozen peer's record to lapse from the board")
-            at_lapse = [len(records(outs[i])) for i in others]
+            at_lapse = [evals(outs[i]) for i in others]
             wait_for(  # the others go on without it
-                lambda: all(len(records(outs[i])) >= n + 2 for i, n in zip(others, at_lapse, strict=True)),
+                lambda: all(evals(outs[i]) >= n + 2 for i, n in zip(others, at_lapse, strict=True)),
                 120,
                 "the others to train on",
             )
         finally:
             peers[frozen].send_signal(signal.SIGCONT)
-        frozen_code = peers[frozen].wait(timeout=120)
+        frozen_code = peers[frozen].wait(timeout=180)
         for i in others:
             assert peers[i].wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
     finally:
@@ -255,11 +317,15 @@ def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_
             end_group(proc)
 
     frozen_log = (tmp_path / f"peer{frozen}.log").read_text()
-    assert frozen_code != 0 and "was stopped for" in frozen_log, frozen_log[-3000:]
+    assert frozen_code == 0 and "was stopped for" in frozen_log, frozen_log[-3000:]
+    assert "taking the swarm's state again" in frozen_log, frozen_log[-3000:]
+    resumed = records(outs[frozen])[-1]
+    assert resumed["resyncs"] == 1 and resumed["joined_at"] > 0, resumed
     summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in others]
     logs = "\n".join((tmp_path / f"peer{i}.log").read_text()[-6000:] for i in others)
     assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"], logs
-    assert all(s["kind"] == "summary" and s["steps"] == 160 for s in summaries)
+    assert resumed["global_params_sha256"] == summaries[0]["global_params_sha256"], frozen_log[-3000:]
+    assert all(s["kind"] == "summary" and s["steps"] == 600 for s in summaries)
     assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 2, logs
     # they waited for the frozen leader until its record lapsed from their boards (a lifetime, 8 s),
     # and on a round under way until it had been silent for answer_s (16 s), for at most two rounds
@@ -288,7 +354,7 @@ def training_alone(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
     peer = spawn(args + ["--out", "peer.jsonl"], tmp_path, "peer.log")
     try:
         out = tmp_path / "peer.jsonl"
-        wait_for(lambda: out.exists() and len(records(out)) >= 2, 90, "training to start")
+        wait_for(lambda: evals(out) >= 2, 90, "training to start")
         yield peer, out
     finally:
         end_group(peer)

@@ -144,6 +144,7 @@ class FragmentExchange:
         self.acks_awaited: dict[tuple[str, str, int, int], asyncio.Event] = {}
         self.said_bye: set[str] = set()  # peers that told us they are leaving the run
         self.leaving = False  # this peer is leaving: it joins no new group
+        self.joining = False  # this peer is taking the swarm's state: it joins no group of a round opened now
         self.opened_by: dict[str, set[str]] = {}  # peers not on our board -> rounds they opened here
         self.promised: OrderedDict[str, bool] = OrderedDict()  # expired rounds we promised to stay out of
         self.ticker: asyncio.Task[None] | None = None
@@ -177,6 +178,14 @@ class FragmentExchange:
         sends = [asyncio.ensure_future(self._write(peer, Bye("-"))) for peer in self._board()]
         if sends:
             await asyncio.wait(sends, timeout=MESSAGE_TIMEOUT_S / 10)
+
+    def set_joining(self, joining: bool) -> None:
+        """While this peer takes the swarm's state, it promises to stay out of every round it has
+        not reached (it could not take part in one with a state it does not have yet)."""
+        self.joining = joining
+        for machine in self.open.values():
+            if joining and machine.phase == Phase.IDLE:
+                machine.gave_round_up = True
 
     # ---- the facade ----
 
@@ -247,7 +256,7 @@ class FragmentExchange:
                 self.view,
                 time.monotonic(),
             )
-            machine.gave_round_up = round_id in self.promised or self.leaving
+            machine.gave_round_up = round_id in self.promised or self.leaving or self.joining
             self.open[round_id] = machine
         return machine
 

@@ -470,8 +470,8 @@ class RoundMachine:
             self._send(out, sender, Group(self.round_id, self.members), now, expect=False)
         elif isinstance(self.outcome, Completed):  # copied from a group we were not in: that group
             self._send(out, sender, Group(self.round_id, self.outcome.members), now, expect=False)
-        elif self.phase == Phase.DONE or self.phase == Phase.RECOVERING:
-            self._reply_settled(out, sender, now)
+        elif self.phase == Phase.DONE or self.phase == Phase.RECOVERING or self.gave_round_up:
+            self._reply_settled(out, sender, now)  # a promise, too: never lead or join what we gave up
         elif msg.code == Code.JOIN and self.leader(now) == self.me:
             self.joins[sender] = msg.shard
             self._send(out, sender, Leader(self.round_id, self.me), now, expect=False)
@@ -712,6 +712,10 @@ class RoundMachine:
         self.joins = {}
         if self.phase == Phase.FORMING:
             self._enter_group(now, out)
+        elif self.phase == Phase.IDLE and self._is_member(self.me):
+            # listed, yet this process never sent a JOIN: an earlier process with our identity
+            # (crashed, restarted) did, and its part of the round is lost with it
+            self._settle(Failed("listed in a group an earlier process of this peer joined"), now, out)
 
     def _enter_group(self, now: float, out: list[Effect]) -> None:
         assert self.members is not None and self.vector is not None
@@ -870,7 +874,8 @@ class RoundMachine:
                 out, to, Status.GONE, "completed elsewhere; this peer has no average", now, ask
             )
         else:
-            self._reply_status(out, to, Status.WAITING, "recovering", now, ask)
+            why = "gave the round up" if self.phase == Phase.IDLE else "recovering"
+            self._reply_status(out, to, Status.WAITING, why, now, ask)
 
     def _reply_status(
         self, out: list[Effect], to: str, status: Status, detail: str, now: float, ask: int = 0

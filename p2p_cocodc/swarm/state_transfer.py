@@ -365,7 +365,7 @@ async def pull_state(
     (θ̄ is bit-identical on live peers: a disagreement means a split swarm, never papered over)."""
     started = time.perf_counter()
     need = min(2, len(donors))
-    for _ in range(ATTEMPTS):
+    for attempt in range(ATTEMPTS):
         ask = {"want": "manifest", "step": step, "fingerprint": fingerprint}
         answers = await asyncio.gather(*(_ask(p2p, run_id, d, ask) for d in donors))
         manifests: dict[str, dict[str, Any]] = {}
@@ -388,6 +388,8 @@ async def pull_state(
             step = max(past) + margin
             continue
         if len(manifests) < need:
+            if attempt < ATTEMPTS - 1:  # slowed down, or busy with other joiners: ask again
+                continue
             raise StateUnavailable(f"fewer than {need} donors gave their state: {'; '.join(reasons)}")
         digests = {m["digest"] for m in manifests.values()}
         if len(digests) > 1:
@@ -398,7 +400,7 @@ async def pull_state(
         manifest = next(iter(manifests.values()))
         blob = await _download(p2p, run_id, list(manifests), manifest)
         return Pulled(step, unpack(manifest, blob), list(manifests), time.perf_counter() - started, len(blob))
-    raise StateUnavailable(f"the donors kept moving past the asked step (last asked {step})")
+    raise StateUnavailable(f"the donors kept moving past the asked step, or did not reach it (last {step})")
 
 
 async def _download(p2p: Any, run_id: str, donors: list[str], manifest: dict[str, Any]) -> bytes:
