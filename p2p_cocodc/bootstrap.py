@@ -49,6 +49,7 @@ PEER_FIELDS = (
     "versions",
     "stall_s",
     "bytes_sent",
+    "joined_at",
 )
 
 

@@ -191,17 +191,14 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
     cfg = _config_from(config_path, options)
     if cfg.events is not None:
         raise UserError("join: --events replays a swarm run in the simulator: use it with simulate")
-    if cfg.checkpoint_dir is not None or cfg.resume:
-        raise UserError(
-            "join: --checkpoint-dir and --resume: checkpoints are only implemented for simulate so far"
-        )
     check_output_paths(cfg)
 
+    from p2p_cocodc.checkpoint import find_resume_point
     from p2p_cocodc.peer import Peer, swarm_options  # hivemind: imported once the options are known good
 
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
     opts = swarm_options(swarm_file, swarm_cli)
-    summary = run_peer(Peer(cfg, opts), cfg, quiet)
+    summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg)), cfg, quiet)
     failed, done = summary["rounds_failed"], summary["rounds_done"]
     skipped = f"; {failed} of {failed + done} syncs failed and were skipped on every peer" if failed else ""
     click.echo(

@@ -106,7 +106,7 @@ class TrainConfig:
         "replay a swarm run: a peer's --out file, whose round records say which workers each round "
         "averaged and which rounds failed",
     )
-    # checkpoints (simulate only so far)
+    # checkpoints
     checkpoint_dir: str | None = _opt(
         None,
         "checkpoint the run into this folder (default: no checkpoints); the newest 3 are kept",

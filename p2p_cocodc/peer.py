@@ -19,12 +19,14 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from p2p_cocodc.algorithms.state import expect_list
+from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy
+from p2p_cocodc.checkpoint import Checkpoint, CheckpointWriter, committed, read_checkpoint
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import RunLog
@@ -145,7 +147,7 @@ def fragment_round(p: int, step: int) -> str:
 class Peer:
     """One region of a run; ``run`` trains, writes records like ``simulate``, returns the summary."""
 
-    def __init__(self, cfg: TrainConfig, opts: SwarmOptions) -> None:
+    def __init__(self, cfg: TrainConfig, opts: SwarmOptions, resume: Checkpoint | None = None) -> None:
         if opts.shard is not None and opts.shard[1] != cfg.data_shards:
             raise UserError(
                 f"--shard {opts.shard[0]}/{opts.shard[1]}: N must equal --max-peers {cfg.data_shards} "
@@ -180,6 +182,18 @@ class Peer:
         self.joined_at = 0  # the step whose end this peer took the swarm's state at (0: started the run)
         self.resyncs = 0  # times this peer took the state again after it fell out of the swarm
         self.joins_recorded: set[tuple[str, int]] = set()  # (peer, joined_at) written to --out
+        self.written: list[dict[str, Any]] = []  # every record written to --out (checkpoints keep them)
+        data = self.setup.data_sha256()
+        self.checkpoints = (
+            CheckpointWriter(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.computing_options(), data)
+            if cfg.checkpoint_dir is not None
+            else None
+        )
+        self.resume = resume  # the newest checkpoint of --checkpoint-dir, with --resume
+        self.checkpointed = -1  # the step of the last checkpoint written
+        if resume is not None:  # it keeps its data shard
+            resume.check_data(data)
+            self.shard_index = resume.restore(lambda state: int(state["shard"]))
 
     # ---- lifecycle ----
 
@@ -227,8 +241,9 @@ class Peer:
             else:
                 self.state = "training"
                 await self._refresh(board)
-                self._record_join(self.peer_id, 0)
+                self._record_join(self.peer_id, self.joined_at)
                 await self._wait_for_start(stop)
+                self._rerun_in_flight()
             leave = asyncio.create_task(self._leave_when(stop, board))
             self.watchdog = asyncio.create_task(self._watch_for_lapse(board))
             try:
@@ -306,6 +321,7 @@ class Peer:
             stall_s=self.stall_s,
             bytes_sent=ex.stats.bytes_sent if ex else 0,
             joined_at=self.joined_at,
+            resume_step=self.resume.step if self.resume is not None else -1,
         )
 
     async def _refresh(self, board: Board, publish: bool = True, read: bool = True) -> None:
@@ -414,9 +430,10 @@ class Peer:
                         f"peer {peer[:12]} of run {self.opts.run_id!r} uses a different configuration: "
                         "start every peer with the same options (or profile), or pick another --run-id"
                     )
-            # our own record may be a stale one of this identity's previous process: not a peer
+            # our own record may be a stale one of this identity's previous process: not a peer;
+            # a peer that resumed from its checkpoint of step C waits at C for the others to resume
             training = [r for p, r in same.items() if r.state == "training" and p != self.peer_id]
-            if len(training) >= self.cfg.workers or any(r.step > 0 for r in training):
+            if len(training) >= self.cfg.workers or any(r.step > max(r.resume_step, 0) for r in training):
                 if not isinstance(self.strategy, Strategy):
                     raise UserError(
                         f"run {self.opts.run_id!r} is under way, and a ddp run cannot take a peer in "
@@ -427,9 +444,76 @@ class Peer:
             live = sorted(p for p, r in same.items() if r.state in ("waiting", "training"))
             if len(live) >= self.cfg.workers and self.peer_id in live:
                 self._settle_shard(live, same)
+                if self.resume is not None or any(same[p].resume_step >= 0 for p in live):
+                    self._resume_with(live, same)
                 return False
             self._check_wait(stop, deadline, f"only {len(live)} of --workers {self.cfg.workers} peers joined")
             await asyncio.sleep(0.2)
+
+    def _resume_with(self, live: list[str], records: dict[str, PeerRecord]) -> None:
+        """A whole swarm restarted with --resume: every peer goes on from the newest step all of them
+        hold a checkpoint of (a peer killed before its last checkpoint holds an older one)."""
+        fresh = [p[:12] for p in live if records[p].resume_step < 0]
+        if fresh:
+            raise UserError(
+                f"peers {', '.join(fresh)} start run {self.opts.run_id!r} afresh while others resume it: "
+                "start every peer with --resume (and its --checkpoint-dir), or none"
+            )
+        assert self.resume is not None and self.cfg.checkpoint_dir is not None
+        step = min(records[p].resume_step for p in live)
+        if step != self.resume.step:
+            found = dict(committed(Path(self.cfg.checkpoint_dir)))
+            if step not in found:
+                raise UserError(
+                    f"the swarm resumes after step {step}, and --checkpoint-dir {self.cfg.checkpoint_dir} "
+                    "no longer holds that checkpoint: resume with the checkpoint folders the run wrote"
+                )
+            self.resume = read_checkpoint(found[step], self.cfg.computing_options())
+        self.resume.restore(self._load_state)
+        log.warning("resuming the run after step %d from %s", self.step, self.resume.path)
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """Everything this peer needs to go on after ``self.step`` bit-exactly, with the others: its
+        replica and AdamW state, its strategy (θ̄, outer momentum, schedule, syncs in flight with
+        their snapshots: a resumed swarm runs those syncs again with the same payloads), fragment
+        versions, data shard, the records written so far, torch's RNG. Tensors are live."""
+        return {
+            "step": self.step,
+            "shard": self.shard_index,
+            "joined_at": self.joined_at,
+            "versions": list(self.versions),
+            "trainer": self.trainer.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "records": list(self.written),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        if int(state["shard"]) != self.shard_index:
+            raise ValueError(f"it reads data shard {state['shard']}, this peer {self.shard_index}")
+        self.trainer.load_state_dict(state["trainer"])
+        self.strategy.load_state_dict(state["strategy"])
+        self.versions = expect_list(state["versions"], len(self.versions), int, "fragment versions")
+        self.step, self.joined_at = int(state["step"]), int(state["joined_at"])
+        self.written = list(state["records"])
+        torch.set_rng_state(expect_tensor(state["rng"]["torch"], torch.get_rng_state(), "torch RNG state"))
+
+    def _rerun_in_flight(self) -> None:
+        """After a whole-swarm resume: run again the syncs in flight at the checkpoint, with the
+        payloads they had (θ̄_p has not moved since the send: Δ_p = θ̄_p − snapshot_p)."""
+        assert self.exchange is not None
+        if not isinstance(self.strategy, Strategy):
+            return
+        for p, sync in self.strategy.in_flight.items():
+            vector = self.strategy.outer[p].global_params - sync.snapshot
+            task = self.exchange.allreduce(fragment_round(p, sync.sent_step), vector, sync.sent_step)
+            self.pending[p] = asyncio.create_task(task)
+
+    async def _write_checkpoint(self) -> None:
+        assert self.checkpoints is not None
+        path = await asyncio.to_thread(self.checkpoints.write, self.step, self._checkpoint_state())
+        self.checkpointed = self.step
+        log.info("checkpoint of step %d written to %s", self.step, path)
 
     def _take_free_shard(self, records: dict[str, PeerRecord]) -> None:
         """A data shard no live peer reads, for a peer joining a run under way: its --shard, or the
@@ -540,6 +624,12 @@ class Peer:
         assert isinstance(self.strategy, Strategy)
         return {"strategy": copy.deepcopy(self.strategy.shared_state()), "versions": list(self.versions)}
 
+    def _log(self, record: dict[str, Any]) -> None:
+        """Write one record to --out (and keep it: a checkpoint holds the records so far)."""
+        assert self.run_log is not None
+        self.run_log.write(record)
+        self.written.append(record)
+
     def _record_join(self, peer: str, joined_at: int, shard: int | None = None) -> None:
         """One record in --out per peer (and per time it took the state) this peer learns of: the
         data shard whose replica starts after step ``joined_at``. ``simulate --events`` replays it."""
@@ -547,7 +637,7 @@ class Peer:
         if self.run_log is None or shard is None or (peer, joined_at) in self.joins_recorded:
             return
         self.joins_recorded.add((peer, joined_at))
-        self.run_log.write({"kind": "join", "shard": shard, "step": joined_at, "peer": peer})
+        self._log({"kind": "join", "shard": shard, "step": joined_at, "peer": peer})
 
     async def _wait_for_start(self, stop: asyncio.Event) -> None:
         """Start step 1 only once every peer shows 'training': then all agree on each round's leader."""
@@ -603,10 +693,18 @@ class Peer:
         shard = self.setup.shard(self.shard_index, cfg.data_shards)
         started = time.perf_counter()
         train_losses: list[float] = []
-        first = last = await self._evaluate(self.step, started, train_losses, log_file)
+        if self.resume is not None and self.written:  # --out as the uninterrupted run's, then on
+            for record in self.written:
+                log_file.write(record)
+            evals = [r for r in self.written if r["kind"] == "eval"]
+            first, last = evals[0], evals[-1]
+        else:
+            first = last = await self._evaluate(self.step, started, train_losses, log_file)
         while self.step < cfg.steps:
             if stop.is_set():
                 log.warning("stopping after step %d on a signal", self.step)
+                if self.checkpoints is not None and self.checkpointed != self.step:
+                    await self._write_checkpoint()
                 break
             step = self.step + 1
             try:
@@ -630,6 +728,8 @@ class Peer:
                 last = await self._evaluate(step, started, train_losses, log_file)
             if progress is not None:
                 progress(step, last if last["step"] == step else {})
+            if self.checkpoints is not None and self.checkpoints.due(step, cfg.steps):
+                await self._write_checkpoint()  # after the step's records: the checkpoint holds them
         await self._finish_in_flight(STOP_GRACE_S if stop.is_set() else self.opts.round_timeout_s * 2)
         if last["step"] != self.step:
             last = await self._evaluate(self.step, started, train_losses, log_file)
@@ -656,7 +756,7 @@ class Peer:
             resyncs=self.resyncs,
             state_copy_s=self.state_server.copy_s if self.state_server else 0.0,
         )
-        log_file.write(summary)
+        self._log(summary)
         return summary
 
     async def _resync(self, board: Board, stop: asyncio.Event, why: Resync) -> None:
@@ -737,10 +837,10 @@ class Peer:
     def _record_round(self, round_id: str, completed: bool) -> None:
         """One record in --out for every sync this peer settles: the round's group (data shards, in
         member order) and whether it completed. ``simulate --events`` replays them."""
-        assert self.exchange is not None and self.run_log is not None
+        assert self.exchange is not None
         members = list(self.exchange.groups.get(round_id, ())) if completed else []
         record = {"kind": "round", "round": round_id, "step": self.step, "members": members}
-        self.run_log.write({**record, "completed": completed})
+        self._log({**record, "completed": completed})
 
     def _sync_failed(self, p: int, step: int, exc: RoundFailed) -> None:
         """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one
@@ -792,5 +892,5 @@ class Peer:
             stall_s=self.stall_s,
         )
         train_losses.clear()
-        log_file.write(record)
+        self._log(record)
         return record

@@ -398,7 +398,6 @@ def test_cli_checks_output_paths_before_set_up(tmp_path: Path) -> None:
     join = run_cli(["join", *CLI_RUN, "--bootstrap", "127.0.0.1:9", "--out", bad], tmp_path, 60)
     assert_one_error_line(join, "--out", bad)
     join_ck = run_cli(
-        ["join", *CLI_RUN, "--bootstrap", "127.0.0.1:9", "--checkpoint-dir", "ck"], tmp_path, 60
+        ["join", *CLI_RUN, "--bootstrap", "127.0.0.1:9", "--checkpoint-dir", "ck", "--resume"], tmp_path, 60
     )
-    assert_one_error_line(join_ck, "only implemented for simulate")
-    assert not (tmp_path / "ck").exists()
+    assert_one_error_line(join_ck, "--resume", "holds no checkpoint")

@@ -277,6 +277,51 @@ def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: P
     assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == hashes["peer0"]
 
 
+def test_a_whole_swarm_killed_and_resumed_ends_with_the_uninterrupted_global_model(tmp_path: Path) -> None:
+    """Three peers checkpoint every 16 steps; all are killed (SIGKILL, a power cut) mid-run and
+    started again with --resume. They agree on the newest step all of them hold a checkpoint of,
+    run again the syncs that were in flight there, and end with the θ̄ of the uninterrupted run
+    (the simulator's, with the same options), bit for bit."""
+    boot = start_bootstrap(tmp_path)
+    common = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "400"]
+    common += ["--run-id", "resumed", "--checkpoint-every", "16", "--verbose"]
+
+    def start(i: int, *extra: str) -> subprocess.Popen:
+        args = [*common, "--identity", f"peer{i}.id", "--checkpoint-dir", f"ck{i}", "--out", f"peer{i}.jsonl"]
+        return spawn([*args, *extra], tmp_path, f"peer{i}{'-resumed' if extra else ''}.log")
+
+    def checkpoints(i: int) -> int:
+        folder = tmp_path / f"ck{i}"
+        return len(list(folder.glob("step-*.json"))) if folder.exists() else 0
+
+    peers: list[subprocess.Popen] = []
+    try:
+        peers += [start(i) for i in range(3)]
+        wait_for(lambda: all(checkpoints(i) >= 2 for i in range(3)), 120, "two checkpoints on every peer")
+        for proc in peers:
+            sigkill_like_a_crash(proc.pid)
+        wait_for(lambda: not board_peers(boot.host_port, "resumed"), 30, "the killed peers' records to lapse")
+        peers += [start(i, "--resume") for i in range(3)]
+        for i, proc in enumerate(peers[3:]):
+            assert proc.wait(timeout=180) == 0, (tmp_path / f"peer{i}-resumed.log").read_text()[-3000:]
+    finally:
+        for proc in [*peers, boot.proc]:
+            end_group(proc)
+
+    logs = "\n".join((tmp_path / f"peer{i}-resumed.log").read_text() for i in range(3))
+    assert logs.count("resuming the run after step") == 3, logs[-6000:]
+    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
+    assert all(s["kind"] == "summary" and s["steps"] == 400 for s in summaries)
+    hashes = {s["global_params_sha256"] for s in summaries}
+    assert len(hashes) == 1, logs[-6000:]
+    assert evals(tmp_path / "peer0.jsonl") == 400 // 8 + 1  # --out as an uninterrupted run's
+    sim = run_cli(
+        ["simulate", "--algo", "cocodc", *TINY, "--steps", "400", "--out", "sim.jsonl"], tmp_path, 120
+    )
+    assert sim.returncode == 0, sim.stderr
+    assert records(tmp_path / "sim.jsonl")[-1]["global_params_sha256"] in hashes
+
+
 def board_peers(boot_status: str, run_id: str) -> dict:
     with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
         return json.load(reply)["runs"].get(run_id, {}).get("peers", {})

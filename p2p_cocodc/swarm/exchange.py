@@ -208,6 +208,9 @@ class FragmentExchange:
             if machine.phase == Phase.IDLE:
                 if not take_part:
                     machine.observe()
+                # a machine opened by another peer's message holds the board as of then, and a
+                # tick may not have passed since: it must not lead with a view older than ours
+                self._feed(round_id, machine, ViewChanged(self._board()))
                 self._feed(round_id, machine, Start(step, vector))
             elif take_part:
                 raise RoundFailed(f"round {round_id} was already run here")
@@ -245,7 +248,8 @@ class FragmentExchange:
     def _machine(self, round_id: str) -> RoundMachine:
         machine = self.open.get(round_id) or self.finished.get(round_id)
         if machine is None:
-            self.view = self._board()  # as the board is now, not at the last tick
+            # as the board is now, not at the last tick; the tick still compares with the view the
+            # other machines have, so they learn of the change too
             machine = RoundMachine(
                 self.peer_id,
                 round_id,
@@ -253,7 +257,7 @@ class FragmentExchange:
                 self.fingerprint,
                 self.codec,
                 self.deadlines,
-                self.view,
+                self._board(),
                 time.monotonic(),
             )
             machine.gave_round_up = round_id in self.promised or self.leaving or self.joining

@@ -61,6 +61,7 @@ class PeerRecord:
     stall_s: float = 0.0
     bytes_sent: int = 0
     joined_at: int = 0  # the step whose end it took the swarm's state at (0: it started the run)
+    resume_step: int = -1  # the step of the checkpoint it resumes from with --resume (-1: none)
     ttl_s: float = 8.0  # the record's lifetime: how long readers keep this peer after they last read it
 
     def to_wire(self) -> dict[str, Any]:
@@ -77,6 +78,8 @@ class PeerRecord:
         ok = (
             v["state"] in STATES
             and all(_is_int(i) and i >= 0 for i in ints)
+            and _is_int(v["resume_step"])
+            and v["resume_step"] >= -1
             and (v["shard"] is None or (_is_int(v["shard"]) and 0 <= v["shard"] < v["num_shards"]))
             and all(_is_number(x) and x >= 0 for x in floats)
             and 0 < v["ttl_s"] <= MAX_LIFETIME_S
