@@ -50,6 +50,7 @@ PEER_FIELDS = (
     "stall_s",
     "bytes_sent",
     "joined_at",
+    "resume_step",
 )
 
 

@@ -439,6 +439,13 @@ class Peer:
                         f"run {self.opts.run_id!r} is under way, and a ddp run cannot take a peer in "
                         "progress: use another --run-id, or a DiLoCo-family --algo"
                     )
+                if self.resume is not None:  # its data shard stays; its state is behind the swarm's
+                    log.warning(
+                        "the swarm went on without this peer: it takes the others' state, not its "
+                        "checkpoint of step %d",
+                        self.resume.step,
+                    )
+                    self.resume = None
                 self._take_free_shard(same)
                 return True
             live = sorted(p for p, r in same.items() if r.state in ("waiting", "training"))

@@ -16,11 +16,11 @@ import torch
 from p2p_cocodc.butterfly import slice_bounds
 from p2p_cocodc.codecs import CODECS, get_codec
 from p2p_cocodc.swarm import exchange as exchange_module
-from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed
 from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, parse_members, parse_message
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.wire import BadMessage
+from tests.local_dhts import local_dhts
 
 
 def record(shard: int, step: int = 0) -> PeerRecord:
@@ -29,14 +29,8 @@ def record(shard: int, step: int = 0) -> PeerRecord:
 
 @pytest.fixture
 def dhts():
-    """Three fresh DHT nodes per test: a P2P replica is bound to the event loop that first used it."""
-    first = start_dht([], "127.0.0.1", 0)
-    others = [start_dht([str(first.get_visible_maddrs()[0])], "127.0.0.1", 0) for _ in range(2)]
-    nodes = [first, *others]
-    sockets = [p2pd_socket(d) for d in nodes]
-    yield nodes
-    for dht, path in zip(reversed(nodes), reversed(sockets), strict=True):
-        stop_dht(dht, path)
+    with local_dhts(3) as nodes:
+        yield nodes
 
 
 async def make_pair(dhts, codecs=("fp32", "fp32"), timeout=5.0) -> list[FragmentExchange]:

@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.state_transfer import (
     Snapshot,
     StateServer,
@@ -25,6 +24,7 @@ from p2p_cocodc.swarm.state_transfer import (
     unpack,
 )
 from p2p_cocodc.swarm.wire import BadMessage
+from tests.local_dhts import local_dhts
 
 
 def sample_state(seed: int = 0) -> dict:
@@ -112,7 +112,9 @@ def test_any_value_as_a_manifest_is_refused_without_a_crash(value) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(["step", "size", "chunk_bytes", "tensors", "chunks"]), values))
+@given(
+    st.dictionaries(st.sampled_from(["step", "size", "chunk_bytes", "tensors", "chunks", "skeleton"]), values)
+)
 def test_a_manifest_with_hostile_fields_is_refused_without_a_crash(fields) -> None:
     manifest = wire(make_snapshot(0, sample_state(), chunk_bytes=1024).manifest)
     manifest.update(fields)
@@ -128,13 +130,8 @@ def test_a_manifest_with_hostile_fields_is_refused_without_a_crash(fields) -> No
 
 @pytest.fixture
 def dhts():
-    first = start_dht([], "127.0.0.1", 0)
-    others = [start_dht([str(first.get_visible_maddrs()[0])], "127.0.0.1", 0) for _ in range(3)]
-    nodes = [first, *others]
-    sockets = [p2pd_socket(d) for d in nodes]
-    yield nodes
-    for dht, path in zip(reversed(nodes), reversed(sockets), strict=True):
-        stop_dht(dht, path)
+    with local_dhts(4) as nodes:
+        yield nodes
 
 
 class Donor:

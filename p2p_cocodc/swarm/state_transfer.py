@@ -172,6 +172,7 @@ def parse_manifest(value: Any, step: int) -> dict[str, Any]:
         if (
             not isinstance(item, list)
             or len(item) != 2
+            or not isinstance(item[0], str)
             or item[0] not in DTYPES
             or not isinstance(item[1], list)
             or len(item[1]) > 8
@@ -207,6 +208,8 @@ def _check_skeleton(value: Any, num_tensors: int, depth: int) -> None:
     elif isinstance(value, list):
         for item in value:
             _check_skeleton(item, num_tensors, depth + 1)
+    elif isinstance(value, int) and not -(1 << 63) <= value < 1 << 64:
+        raise BadMessage("an integer in the state does not fit in 64 bits")
     elif value is not None and not isinstance(value, bool | int | float | str):
         raise BadMessage(f"unexpected {type(value).__name__} in the state")
 
