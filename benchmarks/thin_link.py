@@ -98,12 +98,14 @@ finally:
 """
 
 
-def training_options(args: argparse.Namespace) -> list[str]:
+def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
+    """The peers' options; each declares its link (--bandwidth-mbps), which its deadlines follow."""
     return [
         "--algo", args.algo, "--model", "small", "--tokenizer", "byte", "--seq-len", "64",
         "--batch-size", "4", "--workers", str(PEERS), "--steps", str(args.steps),
         "--inner-steps", "24", "--fragments", "4", "--overlap", "12", "--eval-every", "24",
         "--eval-batches", "2", "--threads", "1", "--codec", args.codec, "--quiet",
+        "--bandwidth-mbps", str(mbps),
     ]  # fmt: skip
 
 
@@ -359,7 +361,7 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path) -> dict[str, 
                 out = rundir / f"peer{node.index}.jsonl"
                 out.unlink(missing_ok=True)
                 argv = CLI + ["join", "--bootstrap", joining, "--host", node.address, "--run-id", "thin"]
-                argv += ["--shard", f"{node.index}/{PEERS}", *training_options(args), "--out", str(out)]
+                argv += ["--shard", f"{node.index}/{PEERS}", *training_options(args, mbps), "--out", str(out)]
                 argv += ["--verbose"] if args.verbose else []
                 peers.append(Logged(net, node.ns, argv, rundir / f"peer{node.index}.log", t0))
             result["peer_command"] = " ".join(["ip netns exec NS python", *argv[1:]])

@@ -34,7 +34,7 @@ from p2p_cocodc.swarm.dht import check_identity, p2pd_socket, parse_bootstrap, s
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
-from p2p_cocodc.training import TrainingSetup, summary_record
+from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, summary_record
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +228,8 @@ class Peer:
                 lambda: self.view,
                 self.opts.round_timeout_s,
                 record_ttl_s=board.ttl_s,
+                link_mbps=self.cfg.bandwidth_mbps,
+                round_bytes=self._round_bytes(),
             )
             self.exchange.set_joining(under_way)
             await self.exchange.start()
@@ -625,6 +627,14 @@ class Peer:
             pulled.seconds,
             len(self.pending),
         )
+
+    def _round_bytes(self) -> int:
+        """What this peer sends in the largest round: a butterfly over up to --max-peers members."""
+        if isinstance(self.strategy, Strategy):
+            numel = max(outer.global_params.numel() for outer in self.strategy.outer)
+        else:
+            numel = self.setup.num_params
+        return allreduce_wire_bytes(self.setup.codec, numel, self.cfg.data_shards)
 
     def _shared_state(self) -> dict[str, Any]:
         """A copy of what every live peer holds identically now, for a joiner (a step boundary)."""

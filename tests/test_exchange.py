@@ -187,7 +187,8 @@ def test_stray_rounds_are_bounded_refused_and_forgotten(dhts, monkeypatch) -> No
             # our own rounds are never refused, whatever strays are open
             average = await asyncio.gather(*(ex.allreduce("mine", torch.ones(8), 1) for ex in exchanges))
             # strays this peer never reaches are forgotten after their expiry
-            target.deadlines = type(target.deadlines)(round_s=0.1, answer_s=0.1)
+            target.round_timeout_s, target.record_ttl_s = 0.1, 0.05  # what its deadlines follow
+            target.deadlines = target.current_deadlines()
             await until(lambda: not target._not_reached(), "the stray rounds to expire")
         finally:
             await stop_all(exchanges)
@@ -254,3 +255,27 @@ def test_slices_cover_the_vector_on_block_edges(numel: int, parts: int, block: i
     assert bounds[0] == 0 and bounds[-1] == numel and len(bounds) == parts + 1
     assert all(a <= b for a, b in zip(bounds, bounds[1:], strict=False))
     assert all(b % block == 0 for b in bounds[:-1])
+
+
+def test_deadlines_follow_the_declared_and_the_measured_link(dhts) -> None:
+    """At 2 Mbit/s a member's answers wait behind seconds of fragment data: the round's deadlines
+    allow for the slowest of the declared link, the measured send rate and 10 Mbit/s, and for two
+    rounds of data queued ahead of an answer; on a fast link they are what they always were."""
+
+    async def main() -> None:
+        p2p = await dhts[0].replicate_p2p()
+        thin = FragmentExchange(p2p, "t", get_codec("fp32"), 0, "fp", dict, 60.0, 8.0, 2.0, 4_000_000)
+        fast = FragmentExchange(p2p, "t", get_codec("fp32"), 0, "fp", dict, 60.0, 8.0, 50.0, 0)
+        try:
+            declared = thin.current_deadlines()
+            assert declared.slowest_link_mbps == 2.0
+            assert declared.answer_s == pytest.approx(16.0 + 8 * 2 * 4e6 / 2e6)  # + 32 s of queued data
+            thin.stats.bandwidth_mbps = 1.5  # measured slower than declared
+            assert thin.current_deadlines().slowest_link_mbps == 1.5
+            thin.stats.bandwidth_mbps = 0.01  # a stalled measurement: never below 1 Mbit/s
+            assert thin.current_deadlines().slowest_link_mbps == 1.0
+            assert fast.current_deadlines() == exchange_module.Deadlines(60.0, answer_s=16.0, heard_s=8.0)
+        finally:
+            await p2p.shutdown()
+
+    asyncio.run(main())

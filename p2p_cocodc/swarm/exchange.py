@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -65,10 +66,17 @@ from p2p_cocodc.swarm.round import (
     ViewChanged,
     run_job,
 )
-from p2p_cocodc.swarm.wire import BadMessage, read_frame, transfer_allowance_s, write_frame
+from p2p_cocodc.swarm.wire import (
+    SLOWEST_LINK_MBPS,
+    BadMessage,
+    read_frame,
+    transfer_allowance_s,
+    write_frame,
+)
 
 log = logging.getLogger(__name__)
 
+MIN_LINK_MBPS = 1.0  # deadlines never assume a slower link (a measurement may catch a stall)
 MAX_OPEN_ROUNDS = 64  # rounds others may open here before this peer reaches them; then refused
 MAX_OPENED_BY_STRANGER = 4  # of those, rounds a peer that is not on our board may open
 MAX_FINISHED = 4096  # settled rounds remembered, to answer late askers
@@ -118,6 +126,8 @@ class FragmentExchange:
         board_view: Callable[[], dict[str, PeerRecord]],
         round_timeout_s: float,
         record_ttl_s: float = 8.0,
+        link_mbps: float = SLOWEST_LINK_MBPS,
+        round_bytes: int = 0,
     ) -> None:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
@@ -126,16 +136,16 @@ class FragmentExchange:
         self.shard = shard
         self.fingerprint = fingerprint
         self.board_view = board_view
-        self.deadlines = Deadlines(
-            round_s=round_timeout_s,
-            answer_s=max(2 * record_ttl_s, round_timeout_s / 4),
-            heard_s=record_ttl_s,
-        )
+        self.round_timeout_s = round_timeout_s
+        self.record_ttl_s = record_ttl_s
+        self.link_mbps = link_mbps  # the run's declared link (--bandwidth-mbps)
+        self.round_bytes = round_bytes  # what one peer sends in the largest round
+        self.stats = ExchangeStats()
+        self.deadlines = self.current_deadlines()
         self.open: dict[str, RoundMachine] = {}
         self.finished: OrderedDict[str, RoundMachine] = OrderedDict()
         self.waiting: dict[str, asyncio.Future[Any]] = {}
         self.groups: dict[str, tuple[int, ...]] = {}  # completed rounds -> their members' data shards
-        self.stats = ExchangeStats()
         self.sending: dict[tuple[str, str, int, int], asyncio.Task[None]] = {}
         self.sent_once: dict[str, set[tuple[str, str, int, int]]] = {}  # round -> deliveries sent
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -231,6 +241,22 @@ class FragmentExchange:
 
     # ---- driving machines ----
 
+    def current_deadlines(self) -> Deadlines:
+        """The deadlines of a round opened now. Transfers are allowed time at the slowest of the
+        run's declared link (--bandwidth-mbps), the send rate measured so far on bulk messages and
+        ``SLOWEST_LINK_MBPS``, never below ``MIN_LINK_MBPS``. A member's small answers share its
+        connections with its fragment data and may wait behind two rounds of it (a sync in flight
+        overlaps the next), so ``answer_s`` has that transfer time on top."""
+        measured = self.stats.bandwidth_mbps or math.inf
+        link = max(MIN_LINK_MBPS, min(self.link_mbps, measured, SLOWEST_LINK_MBPS))
+        queued_s = 8.0 * 2 * self.round_bytes / (link * 1e6)
+        return Deadlines(
+            round_s=self.round_timeout_s,
+            answer_s=max(2 * self.record_ttl_s, self.round_timeout_s / 4) + queued_s,
+            heard_s=self.record_ttl_s,
+            slowest_link_mbps=link,
+        )
+
     def _board(self) -> dict[str, BoardPeer]:
         return {
             peer: BoardPeer(
@@ -248,6 +274,7 @@ class FragmentExchange:
     def _machine(self, round_id: str) -> RoundMachine:
         machine = self.open.get(round_id) or self.finished.get(round_id)
         if machine is None:
+            self.deadlines = self.current_deadlines()
             # as the board is now, not at the last tick; the tick still compares with the view the
             # other machines have, so they learn of the change too
             machine = RoundMachine(
