@@ -145,13 +145,15 @@ def round_leader_shard(boot_status: str, run_id: str) -> int:
 
 
 def start_three_training(
-    tmp_path: Path, boot: Bootstrap, run_id: str, steps: int, peers: list[subprocess.Popen]
+    tmp_path: Path, boot: Bootstrap, run_id: str, steps: int, peers: list[subprocess.Popen], *extra: str
 ) -> list[Path]:
     """Three cocodc peers on shards 0-2 (appended to ``peers`` as they start, so the caller ends
-    them whatever happens), returned once each has written a few records: training is under way."""
+    them whatever happens), returned once each has written a few records: training is under way.
+    ``extra`` options may name the peer's index as {i}."""
     for i in range(3):
         args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", str(steps)]
         args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", run_id, "--verbose"]
+        args += [option.format(i=i) for option in extra]
         peers.append(spawn(args, tmp_path, f"peer{i}.log"))
     outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
     wait_for(lambda: all(evals(o) >= 2 for o in outs), 120, "training to be under way")
@@ -186,12 +188,12 @@ def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(tm
 
 def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
     """The round leader is stopped with SIGTERM mid-run: it says "leaving" on the board at once,
-    finishes the rounds it is in, and exits 0; the others form later rounds without it at once
-    (not after its record lapses) and end with the same θ̄."""
+    finishes the rounds it is in, writes a checkpoint of its last step and exits 0; the others
+    form later rounds without it at once (not after its record lapses) and end with the same θ̄."""
     boot = start_bootstrap(tmp_path)
     peers = []
     try:
-        start_three_training(tmp_path, boot, "leave", 96, peers)
+        start_three_training(tmp_path, boot, "leave", 96, peers, "--checkpoint-dir", "ck{i}")
         leaver = round_leader_shard(boot.host_port, "leave")
         stayers = [i for i in range(3) if i != leaver]
         peers[leaver].send_signal(signal.SIGTERM)
@@ -206,6 +208,8 @@ def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
     logs = "\n".join((tmp_path / f"peer{i}.log").read_text()[-6000:] for i in stayers)
     assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"], logs
     assert all(s["steps"] == 96 and s["rounds_done"] >= 16 for s in summaries)
+    left_at = records(tmp_path / f"peer{leaver}.jsonl")[-1]["steps"]  # SIGTERM checkpointed its last step
+    assert left_at < 96 and (tmp_path / f"ck{leaver}" / f"step-{left_at:08d}.json").exists()
     assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 1, logs
     # nobody waited for the leaver's record to lapse (8 s) and then for a round's deadline
     assert all(s["stall_s"] < 8.0 for s in summaries), [s["stall_s"] for s in summaries]
@@ -273,6 +277,9 @@ def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: P
     assert summaries["joiner"]["shard"] == 3  # the one shard the founders left free
     assert sorted(s["shard"] for s in summaries.values()) == [0, 1, 2, 3]  # peer1 took its old one back
     assert summaries["peer0"]["rounds_failed"] <= 2, logs
+    # the founders waited on the crashed peer at most as long as on a frozen one (its record's
+    # lifetime, then answer_s, for two rounds), on top of a healthy run's stall (about 8 s here)
+    assert all(summaries[n]["stall_s"] < 8 + 2 * (8 + 17) for n in ("peer0", "peer2")), summaries
     # the donors' training waited only to copy their state (a memcpy of θ̄ and the momentum)
     assert all(summaries[n]["state_copy_s"] < 1.0 for n in ("peer0", "peer2")), summaries
     # the joiner took part in rounds: its shard is among the members of later rounds
