@@ -182,78 +182,75 @@ async def shutdown(joiner, donors: list[Donor]) -> None:
     await joiner.shutdown()
 
 
+def with_donors(dhts, states: list[dict], body) -> None:
+    """Run ``body(joiner, donors)`` with one donor per state, and shut everything down after."""
+
+    async def main() -> None:
+        joiner, donors = await start_donors(dhts, states)
+        try:
+            await body(joiner, donors)
+        finally:
+            await shutdown(joiner, donors)
+
+    asyncio.run(main())
+
+
 def ids(donors: list[Donor]) -> list[str]:
     return [d.server.p2p.peer_id.to_base58() for d in donors]
 
 
 def test_a_joiner_takes_the_asked_step_from_several_donors(dhts) -> None:
-    async def main() -> None:
-        joiner, donors = await start_donors(dhts, [sample_state(), sample_state()])
-        try:
-            pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=5, margin=2))
-            await asked(donors, 5)
-            await train_until(donors, 8)
-            pulled = await pulling
-            assert pulled.step == 5 and sorted(pulled.donors) == sorted(ids(donors))
-            assert_same(sample_state(), pulled.state)
-            served = [d.server.served_bytes for d in donors]
-            assert all(n > 0 for n in served) and sum(served) >= pulled.num_bytes, served
-        finally:
-            await shutdown(joiner, donors)
+    async def body(joiner, donors: list[Donor]) -> None:
+        pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=5, margin=2))
+        await asked(donors, 5)
+        await train_until(donors, 8)
+        pulled = await pulling
+        assert pulled.step == 5 and sorted(pulled.donors) == sorted(ids(donors))
+        assert_same(sample_state(), pulled.state)
+        served = [d.server.served_bytes for d in donors]
+        assert all(n > 0 for n in served) and sum(served) >= pulled.num_bytes, served
 
-    asyncio.run(main())
+    with_donors(dhts, [sample_state(), sample_state()], body)
 
 
 def test_a_corrupted_chunk_is_taken_from_another_donor(dhts) -> None:
-    async def main() -> None:
-        joiner, donors = await start_donors(dhts, [sample_state(), sample_state()])
-        try:
-            liar = donors[0].server
-            liar.snapshots[3] = asyncio.get_running_loop().create_future()
-            good = make_snapshot(3, sample_state(), chunk_bytes=1024)
-            bad = bytearray(good.blob)
-            for i in range(0, len(bad), 1024):
-                bad[i] ^= 0xFF  # the right manifest, and one flipped byte in every chunk
-            liar.copied.add(3)
-            liar.snapshots[3].set_result(Snapshot(good.manifest, bytes(bad)))
-            pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=3, margin=2))
-            await asked(donors[1:], 3)
-            await train_until(donors, 3)
-            pulled = await pulling
-            assert_same(sample_state(), pulled.state)
-            assert donors[1].server.served_bytes >= pulled.num_bytes  # the honest donor served it all
-        finally:
-            await shutdown(joiner, donors)
+    async def body(joiner, donors: list[Donor]) -> None:
+        liar = donors[0].server
+        liar.snapshots[3] = asyncio.get_running_loop().create_future()
+        good = make_snapshot(3, sample_state(), chunk_bytes=1024)
+        bad = bytearray(good.blob)
+        for i in range(0, len(bad), 1024):
+            bad[i] ^= 0xFF  # the right manifest, and one flipped byte in every chunk
+        liar.copied.add(3)
+        liar.snapshots[3].set_result(Snapshot(good.manifest, bytes(bad)))
+        pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=3, margin=2))
+        await asked(donors[1:], 3)
+        await train_until(donors, 3)
+        pulled = await pulling
+        assert_same(sample_state(), pulled.state)
+        assert donors[1].server.served_bytes >= pulled.num_bytes  # the honest donor served it all
 
-    asyncio.run(main())
+    with_donors(dhts, [sample_state(), sample_state()], body)
 
 
 def test_donors_past_the_step_make_the_joiner_ask_further_ahead(dhts) -> None:
-    async def main() -> None:
-        joiner, donors = await start_donors(dhts, [sample_state(), sample_state()])
-        try:
-            await train_until(donors, 10)
-            pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=4, margin=3))
-            await asked(donors, 13)  # refused at 4 (they are at 10): asked again at 10 + 3
-            await train_until(donors, 14)
-            pulled = await pulling
-            assert pulled.step == 13
-        finally:
-            await shutdown(joiner, donors)
+    async def body(joiner, donors: list[Donor]) -> None:
+        await train_until(donors, 10)
+        pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=4, margin=3))
+        await asked(donors, 13)  # refused at 4 (they are at 10): asked again at 10 + 3
+        await train_until(donors, 14)
+        pulled = await pulling
+        assert pulled.step == 13
 
-    asyncio.run(main())
+    with_donors(dhts, [sample_state(), sample_state()], body)
 
 
 def test_donors_that_disagree_are_refused(dhts) -> None:
-    async def main() -> None:
-        joiner, donors = await start_donors(dhts, [sample_state(0), sample_state(1)])
-        try:
-            pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=2, margin=2))
-            await asked(donors, 2)
-            await train_until(donors, 2)
-            with pytest.raises(StateUnavailable, match="split"):
-                await pulling
-        finally:
-            await shutdown(joiner, donors)
+    async def body(joiner, donors: list[Donor]) -> None:
+        pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=2, margin=2))
+        await asked(donors, 2)
+        await train_until(donors, 2)
+        with pytest.raises(StateUnavailable, match="split"):
+            await pulling
 
-    asyncio.run(main())
+    with_donors(dhts, [sample_state(0), sample_state(1)], body)
