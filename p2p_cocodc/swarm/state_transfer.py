@@ -327,6 +327,9 @@ class StateServer:
             snapshot = await asyncio.wait_for(asyncio.shield(future), SNAPSHOT_WAIT_S)
         except TimeoutError:
             return self._refuse(f"this peer did not reach step {step} within {SNAPSHOT_WAIT_S:.0f} s")
+        except Exception as exc:  # noqa: BLE001 - packing the copy failed: say so, keep serving
+            log.warning("could not pack the state of step %d for a joiner: %s", step, exc)
+            return self._refuse(f"this peer could not pack its state of step {step}")
         return {"ok": True, "manifest": snapshot.manifest}
 
     def _refuse(self, detail: str) -> dict[str, Any]:
