@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from p2p_cocodc.errors import UserError
 from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord
 
@@ -246,3 +247,16 @@ def test_status_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 2
     assert f"error: --status-port {port} is in use" in err and "Traceback" not in err
+
+
+def test_an_identity_a_live_peer_uses_is_refused_with_one_line(tmp_path: Path) -> None:
+    """Two processes started with one --identity: the second is refused (hivemind finds the id
+    live through its initial peers), naming the file, instead of two daemons with one peer id."""
+    identity = str(tmp_path / "peer.id")
+    first = start_dht([], "127.0.0.1", 0, identity_path=identity)
+    first_socket = p2pd_socket(first)
+    try:
+        with pytest.raises(UserError, match=r"--identity .*peer\.id: a running peer of this swarm already"):
+            start_dht([str(first.get_visible_maddrs()[0])], "127.0.0.1", 0, identity_path=identity)
+    finally:
+        stop_dht(first, first_socket)

@@ -131,6 +131,12 @@ def start_dht(
     except P2PDaemonError as exc:
         remove_dead_sockets(set(P2PD_SOCKET_DIR.glob(P2PD_SOCKET_GLOB)) - before)
         detail = str(exc).split(": ", 1)[-1].strip()
+        if identity_path is not None and "already taken" in str(exc):
+            raise UserError(
+                f"--identity {identity_path}: a running peer of this swarm already uses this identity; "
+                "give each process its own file (a restarted peer may reuse its file once the old "
+                "process has ended)"
+            ) from None
         if initial_peers:
             raise UserError(
                 f"cannot join the swarm through {', '.join(initial_peers)} ({detail}): is the bootstrap "
