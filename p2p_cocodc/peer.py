@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0  # on SIGINT/SIGTERM, how long syncs in flight may still take
 FAILING_STREAK = 3  # this many syncs of every fragment failing in a row: the swarm is not syncing
+FIRST_PUBLISH_S = 15.0  # a new peer's DHT may need a few seconds to know another node
 MAX_RESYNCS = 5  # a peer that had to take the swarm's state again this often stops
 DONORS = 3  # a joiner asks this many live peers for the state (at least 2 where there are)
 
@@ -216,7 +217,7 @@ class Peer:
             # A record outlives 8 heartbeats: a peer briefly starved of CPU must not vanish from the
             # board (a leader would form rounds without it); a dead one is gone within 8 s.
             board = Board(dht, self.opts.run_id, self.peer_id, ttl_s=8 * self.opts.heartbeat_s)
-            await self._refresh(board)
+            await self._first_refresh(board)
             self.heartbeat = asyncio.create_task(self._heartbeat(board))
             under_way = await self._wait_for_peers(stop)
             self.exchange = FragmentExchange(
@@ -277,6 +278,20 @@ class Peer:
             stop_dht(dht, daemon_socket)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+    async def _first_refresh(self, board: Board) -> None:
+        """The first record: a DHT that has just started may not know another node yet (a store then
+        reaches nobody), so it is tried for ``FIRST_PUBLISH_S`` before the DHT counts as silent."""
+        deadline = time.monotonic() + FIRST_PUBLISH_S
+        while True:
+            try:
+                await self._refresh(board)
+                return
+            except ConnectionError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("first board publish failed (%s); trying again", exc)
+                await asyncio.sleep(self.opts.heartbeat_s)
 
     async def _watch_for_lapse(self, board: Board) -> None:
         """Notice that this process was stopped (SIGSTOP, a suspended VM, swap) for longer than its
