@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar
 
-from p2p_cocodc.swarm.wire import BadMessage
+from p2p_cocodc.swarm.wire import BadMessage, is_index
 
 MAX_ROUND_ID = 64
 MAX_PEER_ID = 128
@@ -187,7 +187,7 @@ def parse_message(body: Any) -> Message:
         raise BadMessage("'round' must be a short string")
     if code in (Code.JOIN, Code.PROBE):
         shard, fingerprint = body.get("shard"), body.get("fingerprint")
-        if not _is_index(shard) or not isinstance(fingerprint, str) or len(fingerprint) > 64:
+        if not is_index(shard) or not isinstance(fingerprint, str) or len(fingerprint) > 64:
             raise BadMessage(f"{code.name} needs an int 'shard' ≥ 0 and a short string 'fingerprint'")
         return (Join if code == Code.JOIN else Probe)(round_id, shard, fingerprint)
     if code == Code.BYE:
@@ -196,33 +196,33 @@ def parse_message(body: Any) -> Message:
         return Leader(round_id, _peer_id(body.get("leader"), "leader"))
     if code == Code.FETCH:
         ask, members, observer = body.get("ask"), body.get("members"), body.get("observer")
-        if not _is_index(ask) or not isinstance(members, list) or not isinstance(observer, bool):
+        if not is_index(ask) or not isinstance(members, list) or not isinstance(observer, bool):
             raise BadMessage(
                 "FETCH needs an int 'ask', a 'members' list (empty without a group) and a bool 'observer'"
             )
         return Fetch(round_id, ask, parse_members(members) if members else (), observer)
     if code == Code.ACK:
         kind, index = body.get("kind"), body.get("index")
-        if kind not in (Code.PART, Code.RESULT) or not _is_index(index):
+        if kind not in (Code.PART, Code.RESULT) or not is_index(index):
             raise BadMessage("ACK needs 'kind' PART or RESULT and an int 'index'")
         return Ack(round_id, Code(kind), index)
     if code == Code.STATUS:
         status, detail, ask = body.get("status"), body.get("detail"), body.get("ask")
         if status not in set(Status) or not isinstance(detail, str) or len(detail) > MAX_DETAIL:
             raise BadMessage("STATUS needs a known 'status' and a short string 'detail'")
-        if not _is_index(ask):
+        if not is_index(ask):
             raise BadMessage("STATUS needs an int 'ask'")
         return StatusReply(round_id, Status(status), detail, ask)
     members = parse_members(body.get("members"))
     if code == Code.GROUP:
         return Group(round_id, members)
     numel, data = body.get("numel"), body.get("data")
-    if not _is_index(numel) or not isinstance(data, bytes):
+    if not is_index(numel) or not isinstance(data, bytes):
         raise BadMessage(f"{code.name} needs an int 'numel' ≥ 0 and bytes 'data'")
     if code == Code.AVERAGE:
         return Average(round_id, members, numel, data)
     index = body.get("index")
-    if not _is_index(index) or index >= len(members):
+    if not is_index(index) or index >= len(members):
         raise BadMessage(f"{code.name} needs an int 'index' below the number of members")
     return (Part if code == Code.PART else Result)(round_id, members, index, numel, data)
 
@@ -233,7 +233,7 @@ def parse_members(members: Any) -> Members:
         raise BadMessage("'members' must be a non-empty list")
     parsed = []
     for item in members:
-        if not isinstance(item, list | tuple) or len(item) != 2 or not _is_index(item[1]):
+        if not isinstance(item, list | tuple) or len(item) != 2 or not is_index(item[1]):
             raise BadMessage("each member must be [peer id, shard]")
         parsed.append((_peer_id(item[0], "member"), item[1]))
     if len({peer for peer, _ in parsed}) != len(parsed):
@@ -245,7 +245,3 @@ def _peer_id(value: Any, what: str) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_PEER_ID:
         raise BadMessage(f"'{what}' must be a peer id")
     return value
-
-
-def _is_index(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40

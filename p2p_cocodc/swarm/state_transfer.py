@@ -39,7 +39,14 @@ from typing import Any
 import msgpack
 import torch
 
-from p2p_cocodc.swarm.wire import MAX_FRAME, BadMessage, read_frame, transfer_allowance_s, write_frame
+from p2p_cocodc.swarm.wire import (
+    MAX_FRAME,
+    BadMessage,
+    is_index,
+    read_frame,
+    transfer_allowance_s,
+    write_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +170,7 @@ def parse_manifest(value: Any, step: int) -> dict[str, Any]:
     chunk_bytes = value["chunk_bytes"]
     if value["step"] != step:
         raise BadMessage(f"the manifest is of step {value['step']!r}, not {step}")
-    if not _is_count(chunk_bytes) or not 0 < chunk_bytes <= MAX_FRAME // 2:
+    if not is_index(chunk_bytes) or not 0 < chunk_bytes <= MAX_FRAME // 2:
         raise BadMessage("'chunk_bytes' must be a positive size below the frame limit")
     if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
         raise BadMessage(f"'tensors' must be a list of at most {MAX_TENSORS}")
@@ -176,11 +183,11 @@ def parse_manifest(value: Any, step: int) -> dict[str, Any]:
             or item[0] not in DTYPES
             or not isinstance(item[1], list)
             or len(item[1]) > 8
-            or not all(_is_count(n) for n in item[1])
+            or not all(is_index(n) for n in item[1])
         ):
             raise BadMessage("each tensor must be [dtype, shape] with a known dtype")
         total += math.prod(item[1]) * torch.empty((), dtype=DTYPES[item[0]]).element_size()
-    if not _is_count(size) or size != total:
+    if not is_index(size) or size != total:
         raise BadMessage(f"'size' {size!r} is not the tensors' {total} bytes")
     expected_chunks = max(1, math.ceil(size / chunk_bytes))
     if not isinstance(chunks, list) or len(chunks) != expected_chunks or expected_chunks > MAX_CHUNKS:
@@ -198,7 +205,7 @@ def _check_skeleton(value: Any, num_tensors: int, depth: int) -> None:
         raise BadMessage("the state is nested too deeply")
     if isinstance(value, dict):
         if set(value) == {TENSOR_KEY}:
-            if not _is_count(value[TENSOR_KEY]) or value[TENSOR_KEY] >= num_tensors:
+            if not is_index(value[TENSOR_KEY]) or value[TENSOR_KEY] >= num_tensors:
                 raise BadMessage("a tensor reference points past the tensor list")
             return
         for key, item in value.items():
@@ -212,10 +219,6 @@ def _check_skeleton(value: Any, num_tensors: int, depth: int) -> None:
         raise BadMessage("an integer in the state does not fit in 64 bits")
     elif value is not None and not isinstance(value, bool | int | float | str):
         raise BadMessage(f"unexpected {type(value).__name__} in the state")
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40
 
 
 # ---- the donor ----
@@ -291,7 +294,7 @@ class StateServer:
 
     async def _answer(self, ask: dict[str, Any]) -> dict[str, Any]:
         step = ask.get("step")
-        if not _is_count(step):
+        if not is_index(step):
             raise BadMessage("a state request needs an int 'step' ≥ 0")
         if not self.serving:
             return self._refuse("this peer is not serving its state (leaving, or resyncing)")
@@ -302,7 +305,7 @@ class StateServer:
         if ask.get("want") == "chunk":
             index = ask.get("index")
             future = self.snapshots.get(step)
-            if not _is_count(index) or future is None or not future.done() or future.exception():
+            if not is_index(index) or future is None or not future.done() or future.exception():
                 return self._refuse(f"no state of step {step} here")
             snapshot = future.result()
             if index >= len(snapshot.manifest["chunks"]):
@@ -388,7 +391,7 @@ async def pull_state(
             else:
                 at = answer.get("step")
                 reasons.append(f"{donor[:12]}: {str(answer.get('detail'))[:200]}")
-                if _is_count(at) and at >= step:
+                if is_index(at) and at >= step:
                     past.append(at)
         if past:
             step = max(past) + margin

@@ -23,6 +23,11 @@ def transfer_allowance_s(num_bytes: int) -> float:
     return 8.0 * num_bytes / (SLOWEST_LINK_MBPS * 1e6)
 
 
+def is_index(x: Any) -> bool:
+    """A count, size or index another peer sent: an int (not a bool), 0 ≤ x < 2^40."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40
+
+
 class BadMessage(Exception):
     """A peer sent something that is not a valid message of our protocol."""
 
