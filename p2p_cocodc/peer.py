@@ -184,7 +184,7 @@ class Peer:
         self.resyncs = 0  # times this peer took the state again after it fell out of the swarm
         self.joins_recorded: set[tuple[str, int]] = set()  # (peer, joined_at) written to --out
         self.written: list[dict[str, Any]] = []  # every record written to --out (checkpoints keep them)
-        data = self.setup.data_sha256()
+        data = self.setup.data_sha256() if cfg.checkpoint_dir is not None else ""  # hashes every token
         self.checkpoints = (
             CheckpointWriter(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.computing_options(), data)
             if cfg.checkpoint_dir is not None
@@ -542,18 +542,9 @@ class Peer:
     def _take_free_shard(self, records: dict[str, PeerRecord]) -> None:
         """A data shard no live peer reads, for a peer joining a run under way: its --shard, or the
         one this identity read before (a restart), or the first free one."""
-        taken = {
-            r.shard: p
-            for p, r in records.items()
-            if r.shard is not None and p != self.peer_id and r.state != "done"
-        }
+        taken = self._shards_taken(records)
         shards = self.cfg.data_shards
         if self.shard_index is not None:
-            if self.shard_index in taken:
-                raise UserError(
-                    f"--shard {self.shard_index}/{shards} is already read by peer "
-                    f"{taken[self.shard_index][:12]}: give each peer its own shard"
-                )
             return
         free = [i for i in range(shards) if i not in taken]
         if not free:
@@ -701,16 +692,26 @@ class Peer:
                 f"{len(live)} peers joined run {self.opts.run_id!r} but --workers is {self.cfg.workers}: "
                 "give every peer the same --workers, or use another --run-id"
             )
-        taken = {r.shard: p for p, r in records.items() if r.shard is not None and p != self.peer_id}
+        taken = self._shards_taken(records)
         if self.shard_index is None:
             free = [i for i in range(self.cfg.workers) if i not in taken]
             unsettled = [p for p in live if records[p].shard is None or p == self.peer_id]
             self.shard_index = free[unsettled.index(self.peer_id)]
-        elif self.shard_index in taken:
+
+    def _shards_taken(self, records: dict[str, PeerRecord]) -> dict[int, str]:
+        """The data shards other peers of the run read (shard -> peer; finished peers read none);
+        UserError if this peer's own --shard (or checkpoint's shard) is among them."""
+        taken = {
+            r.shard: p
+            for p, r in records.items()
+            if r.shard is not None and p != self.peer_id and r.state != "done"
+        }
+        if self.shard_index in taken:
             raise UserError(
                 f"--shard {self.shard_index}/{self.cfg.data_shards} is already read by peer "
                 f"{taken[self.shard_index][:12]}: give each peer its own shard"
             )
+        return taken
 
     # ---- training ----
 
