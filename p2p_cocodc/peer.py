@@ -790,6 +790,7 @@ class Peer:
             state_copy_s=self.state_server.copy_s if self.state_server else 0.0,
         )
         self._log(summary)
+        self.run_log = None  # the summary stays the last record: joins seen after it are not written
         return summary
 
     async def _resync(self, board: Board, stop: asyncio.Event, why: Resync) -> None:
