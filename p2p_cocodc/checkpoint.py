@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from p2p_cocodc.config import TrainConfig
 
 FORMAT = "p2p-cocodc checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a CoCoDC schedule's spacing, and the spacing of each result in flight
 KEEP = 3  # checkpoints kept in a folder: the newest three
 TENSOR = "$tensor"  # the key that marks a tensor's place in the JSON skeleton
 _COMMITTED = re.compile(r"step-(\d+)\.json")

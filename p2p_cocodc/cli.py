@@ -174,6 +174,13 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     default=None,
     help="seconds a sync may take beyond what measured step times predict [default: 60]",
 )
+@click.option(
+    "--pace",
+    type=click.Choice(["link", "fixed"]),
+    default=None,
+    help="link: when this peer's link cannot carry cocodc's sends, ask the swarm to send less "
+    "(every peer takes the pace a round agreed); fixed: never ask [default: link]",
+)
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--verbose", "-v", is_flag=True, help="log every round's group, leader and recovery")
 def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) -> None:

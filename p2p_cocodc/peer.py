@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, paced_spacing
 from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy
 from p2p_cocodc.checkpoint import Checkpoint, CheckpointWriter, committed, read_checkpoint
@@ -43,6 +44,7 @@ FAILING_STREAK = 3  # this many syncs of every fragment failing in a row: the sw
 FIRST_PUBLISH_S = 15.0  # a new peer's DHT may need a few seconds to know another node
 MAX_RESYNCS = 5  # a peer that had to take the swarm's state again this often stops
 DONORS = 3  # a joiner asks this many live peers for the state (at least 2 where there are)
+LINK_HEADROOM = 1.25  # a paced schedule keeps this peer's link busy at most 1/1.25 = 80 % of the time
 
 
 class Resync(Exception):
@@ -52,7 +54,9 @@ class Resync(Exception):
 
 @dataclass(frozen=True)
 class SwarmOptions:
-    """How this peer finds and joins the swarm; none of it changes what is computed."""
+    """How this peer finds and joins the swarm. None of it changes what is computed, except that
+    ``pace="link"`` lets this peer ask the swarm to send less when its link cannot keep up: a change
+    every peer takes at the same step (``Peer._pace_wish``), recorded for ``simulate --events``."""
 
     bootstrap: str
     run_id: str = "default"
@@ -64,9 +68,12 @@ class SwarmOptions:
     wait_peers_s: float = 300.0
     round_timeout_s: float = 60.0
     heartbeat_s: float = 1.0
+    pace: str = "link"
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        if self.pace not in ("link", "fixed"):
+            raise UserError(f"pace {self.pace!r}: use 'link' or 'fixed'")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise UserError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 ≤ I < N")
         for name in ("wait_peers_s", "round_timeout_s", "heartbeat_s"):
@@ -84,6 +91,7 @@ SWARM_KEYS = {
     "identity": str,
     "wait_peers": float,
     "round_timeout": float,
+    "pace": str,
 }
 
 
@@ -530,7 +538,8 @@ class Peer:
             return
         for p, sync in self.strategy.in_flight.items():
             vector = self.strategy.outer[p].global_params - sync.snapshot
-            task = self.exchange.allreduce(fragment_round(p, sync.sent_step), vector, sync.sent_step)
+            round_id = fragment_round(p, sync.sent_step)
+            task = self.exchange.allreduce(round_id, vector, sync.sent_step, pace=self._pace_wish())
             self.pending[p] = asyncio.create_task(task)
 
     async def _write_checkpoint(self) -> None:
@@ -788,6 +797,7 @@ class Peer:
             joined_at=self.joined_at,
             resyncs=self.resyncs,
             state_copy_s=self.state_server.copy_s if self.state_server else 0.0,
+            send_spacing=self._send_spacing(),
         )
         self._log(summary)
         self.run_log = None  # the summary stays the last record: joins seen after it are not written
@@ -837,8 +847,25 @@ class Peer:
         assert isinstance(self.strategy, Strategy) and self.exchange is not None
         for p in self.strategy.sends_after(step):
             payload = self.strategy.payload(p, step)
-            sync = self.exchange.allreduce(fragment_round(p, step), payload, step)
+            sync = self.exchange.allreduce(fragment_round(p, step), payload, step, pace=self._pace_wish())
             self.pending[p] = asyncio.create_task(sync)
+
+    def _send_spacing(self) -> int | None:
+        """Steps between send slots now (CoCoDC's paced schedule), None for the other algorithms."""
+        schedule = getattr(self.strategy, "schedule", None)
+        return schedule.spacing if isinstance(schedule, AdaptiveSchedule) else None
+
+    def _pace_wish(self) -> int:
+        """The send-slot spacing this peer's link keeps up with (CoCoDC only; 0: none): each round's
+        group takes the largest its members ask for, and every peer applies it with the round."""
+        assert isinstance(self.strategy, Strategy) and self.exchange is not None
+        schedule = self.strategy.schedule
+        if not isinstance(schedule, AdaptiveSchedule) or self.opts.pace == "fixed":
+            return 0
+        busy = self.exchange.link.busy_per_round_s()
+        return paced_spacing(
+            schedule.base_spacing, self.cfg.inner_steps, busy, self.step_time_s, LINK_HEADROOM
+        )
 
     async def _apply_due(self, step: int, stop: asyncio.Event) -> None:
         assert isinstance(self.strategy, Strategy)
@@ -865,15 +892,25 @@ class Peer:
                 continue
             self.failed_in_a_row = 0
             self._record_round(round_id, completed=True)
-            self.strategy.apply(p, averaged, step)
+            was = self._send_spacing()
+            self.strategy.apply(p, averaged, step, spacing=self.exchange.groups[round_id].pace)
             self.versions[p] += 1
+            if self._send_spacing() != was:
+                log.warning(
+                    "the swarm now sends a fragment every %s steps (was %s): round %s agreed on the pace "
+                    "its slowest link keeps up with",
+                    self._send_spacing(),
+                    was,
+                    round_id,
+                )
 
     def _record_round(self, round_id: str, completed: bool) -> None:
         """One record in --out for every sync this peer settles: the round's group (data shards, in
         member order) and whether it completed. ``simulate --events`` replays them."""
         assert self.exchange is not None
-        members = list(self.exchange.groups.get(round_id, ())) if completed else []
-        record = {"kind": "round", "round": round_id, "step": self.step, "members": members}
+        group = self.exchange.groups.get(round_id) if completed else None
+        members, pace = (list(group.shards), group.pace) if group is not None else ([], 0)
+        record = {"kind": "round", "round": round_id, "step": self.step, "members": members, "pace": pace}
         self._log({**record, "completed": completed})
 
     def _sync_failed(self, p: int, step: int, exc: RoundFailed) -> None:

@@ -6,8 +6,10 @@ A peer writes to its ``--out`` file, besides its evaluations:
 - ``{"kind": "join", "shard": 2, "step": 96}`` for every replica it learns of: the replica reading
   data shard 2 starts after step 96 from θ̄ at 96 (step 0: the peers that started the run). A shard
   joins again when its peer crashed and came back; the replica starts afresh each time.
-- ``{"kind": "round", "round": "f2:96", "members": [0, 2], "completed": true}`` for every round it
-  settled: the data shards of the round's group (in member order) and whether the round completed.
+- ``{"kind": "round", "round": "f2:96", "members": [0, 2], "pace": 6, "completed": true}`` for every
+  round it settled: the data shards of the round's group (in member order), the send-slot spacing
+  the group agreed on (CoCoDC's paced schedule takes it with the round's result; 0 or absent: none),
+  and whether the round completed.
 
 θ̄ depends only on those, so ``simulate --events FILE`` with a peer's records reproduces what the
 swarm computed, bit for bit, when peers joined, left, crashed, or were left out of rounds: a
@@ -23,12 +25,14 @@ from pathlib import Path
 from typing import TypeGuard
 
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.swarm.messages import MAX_PACE
 
 
 @dataclass(frozen=True)
 class RoundRecord:
     members: tuple[int, ...]  # data shards, in member order (empty for a failed round)
     completed: bool
+    pace: int = 0  # the send-slot spacing agreed with the round (0: none)
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,11 @@ def read_events(path: str, data_shards: int) -> Events:
 
 def _round(record: dict, data_shards: int, where: str) -> tuple[str, RoundRecord]:
     round_id, members, completed = record.get("round"), record.get("members"), record.get("completed")
+    pace = record.get("pace", 0)
     valid = (
         isinstance(round_id, str)
+        and _is_int(pace)
+        and 0 <= pace <= MAX_PACE
         and isinstance(completed, bool)
         and isinstance(members, list)
         and (0 < len(members) <= data_shards or (not completed and not members))
@@ -85,10 +92,10 @@ def _round(record: dict, data_shards: int, where: str) -> tuple[str, RoundRecord
     )
     if not valid:
         raise UserError(
-            f"{where}: a round record needs 'round', 'completed' and 'members' (distinct shards "
-            f"below --max-peers {data_shards})"
+            f"{where}: a round record needs 'round', 'completed', 'members' (distinct shards "
+            f"below --max-peers {data_shards}) and an int 'pace' in [0, {MAX_PACE}] if any"
         )
-    return round_id, RoundRecord(tuple(members), completed)
+    return round_id, RoundRecord(tuple(members), completed, pace)
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -67,6 +67,7 @@ class PendingResult:
     averaged: torch.Tensor | None  # None: the round failed (replayed), every worker abandons it
     arrives_at: float
     round_id: str = ""
+    spacing: int = 0  # the send-slot spacing a replayed round agreed on (0: none)
 
 
 class Simulation:
@@ -256,6 +257,11 @@ class Simulation:
         record = self.events.rounds[round_id]
         return record.members if record.completed else None
 
+    def _pace(self, round_id: str) -> int:
+        """The send-slot spacing the swarm agreed with a round (only replays have one)."""
+        record = self.events.rounds.get(round_id) if self.events is not None else None
+        return record.pace if record is not None else 0
+
     def _average(self, round_id: str, payloads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, int]:
         """A round's average of the payloads by data shard (None if it failed) and the bytes one
         replica's link carried."""
@@ -281,7 +287,8 @@ class Simulation:
             averaged, wire = self._average(round_id, {i: s.payload(p, step) for i, s in strategies.items()})
             self.bytes_sent += max(wire, 0)
             arrives = self.link.send(self.clock, max(wire, 0))
-            self.pending[p] = PendingResult(averaged, arrives, round_id if wire < 0 else "")
+            missing = round_id if wire < 0 else ""
+            self.pending[p] = PendingResult(averaged, arrives, missing, self._pace(round_id))
 
     def _apply_due(self, step: int) -> None:
         strategies = self._fragment_strategies()
@@ -297,7 +304,7 @@ class Simulation:
                 if result.averaged is None:
                     s.abandon(p)
                 else:
-                    s.apply(p, result.averaged, step)
+                    s.apply(p, result.averaged, step, spacing=result.spacing)
 
     # ---- evaluation ----
 
@@ -342,7 +349,7 @@ class Simulation:
                 for w in self.workers.values()
             ],
             "pending": [
-                {"fragment": p, "averaged": r.averaged, "arrives_at": r.arrives_at}
+                {"fragment": p, "averaged": r.averaged, "arrives_at": r.arrives_at, "spacing": r.spacing}
                 for p, r in self.pending.items()
             ],
             "train_losses": list(self.train_losses),
@@ -368,7 +375,10 @@ class Simulation:
                 raise ValueError(f"an averaged result for fragment {p!r}, which is not in flight")
             like = self._any_worker().strategy.outer[p].global_params  # type: ignore[union-attr]
             averaged = expect_tensor(result["averaged"], like, f"averaged result of fragment {p}")
-            pending[p] = PendingResult(averaged.clone(), float(result["arrives_at"]))
+            spacing = result["spacing"]
+            if not isinstance(spacing, int) or spacing < 0:
+                raise ValueError(f"the spacing agreed with fragment {p}'s result is {spacing!r}")
+            pending[p] = PendingResult(averaged.clone(), float(result["arrives_at"]), spacing=spacing)
         strategy = self._any_worker().strategy
         if isinstance(strategy, Strategy) and set(pending) != set(strategy.in_flight):
             raise ValueError("the syncs in flight and the averaged results in flight differ")

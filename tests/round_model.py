@@ -68,6 +68,7 @@ class Plan:
     codec: str
     numel: int
     fetcher: str | None = None  # a peer that only wants the round's average (``take_part=False``)
+    paces: dict[str, int] = field(default_factory=dict)  # the pace each peer asks for at Start
 
     @property
     def faults(self) -> bool:
@@ -105,6 +106,7 @@ def draw_plan(seed: int) -> Plan:
     if n >= 3 and extra.random() < 0.25:
         fetcher = extra.choice(ids)
         start_at[fetcher] = extra.uniform(0, 40)
+    paces = {p: extra.choice([0, 6, 6, 13, 40]) for p in ids}
     return Plan(
         ids=ids,
         start_at=start_at,
@@ -120,6 +122,7 @@ def draw_plan(seed: int) -> Plan:
         codec=rng.choice(["fp32", "fp32", "int8"]),
         numel=rng.choice([5, 8, 130]),
         fetcher=fetcher,
+        paces=paces,
     )
 
 
@@ -276,7 +279,7 @@ class World:
                 self.started.add(peer)
                 if peer == plan.fetcher and self.machine(peer).phase == Phase.IDLE:
                     self.machine(peer).observe()  # as FragmentExchange.allreduce(take_part=False) does
-                self.feed(peer, Start(STEP, self.vectors[peer]))
+                self.feed(peer, Start(STEP, self.vectors[peer], plan.paces.get(peer, 0)))
                 self.broadcast_views()
             elif kind == "deliver":
                 _, to, sender, message = what  # type: ignore[misc]
@@ -339,7 +342,7 @@ class World:
         completed = {
             p: o for p, o in self.outcomes.items() if isinstance(o, Completed) and p in self.live_peers()
         }
-        groups = {o.members for o in completed.values() if o.by_butterfly}
+        groups = {(o.members, o.pace) for o in completed.values() if o.by_butterfly}
         if len(groups) > 1:
             return f"two groups completed the round: {groups}"
         if any(p == self.plan.fetcher for o in completed.values() for p, _ in o.members):
@@ -348,8 +351,13 @@ class World:
         for o in averages[1:]:
             if not torch.equal(o.average, averages[0].average):
                 return "two peers completed with different averages"
+            if o.pace != averages[0].pace:
+                return f"two peers completed with different paces: {o.pace} and {averages[0].pace}"
         if averages:
             members = averages[0].members
+            asked = max(self.plan.paces.get(p, 0) for p, _ in members)
+            if averages[0].pace != asked:
+                return f"the group's pace is {averages[0].pace}, its members asked for at most {asked}"
             expected = butterfly_mean([self.vectors[p] for p, _ in members], self.codec)
             if not torch.equal(averages[0].average, expected):
                 return f"the average is not the butterfly mean of its members {members}"

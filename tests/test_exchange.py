@@ -60,7 +60,10 @@ async def send_raw(p2p, target: FragmentExchange, raw: bytes) -> None:
     writer.write(raw)
     await writer.drain()
     writer.close()
-    await until(lambda: target.stats.messages_received > received, "the frame to be read")
+    # the server reads each stream under its own deadline (MESSAGE_TIMEOUT_S), so a frame cut short
+    # is taken in by then at the latest, however slowly the daemon passes the stream's end on
+    allowed = exchange_module.MESSAGE_TIMEOUT_S + 10.0
+    await until(lambda: target.stats.messages_received > received, "the frame to be read", allowed)
 
 
 async def send(p2p, target: FragmentExchange, message: Message) -> None:

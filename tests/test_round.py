@@ -220,6 +220,7 @@ def test_a_slice_of_the_wrong_size_fails_the_round_on_every_member() -> None:
                 Part(
                     e.message.round_id,
                     e.message.members,
+                    e.message.pace,
                     e.message.index,
                     e.message.numel - 1,
                     e.message.data,
@@ -240,7 +241,7 @@ def test_a_slice_of_the_wrong_size_fails_the_round_on_every_member() -> None:
 def test_a_round_this_peer_has_not_reached_holds_no_stray_payload() -> None:
     net = Net({A: [B], B: [A]})
     members = ((A, 0), (B, 1))
-    net.feed(A, Received(B, Part("f0:5", members, 0, 300, b"\x00" * 1200)))
+    net.feed(A, Received(B, Part("f0:5", members, 0, 0, 300, b"\x00" * 1200)))
     assert net.machines[A].parts == {} and not net.sent  # nothing held, nothing acknowledged
 
 

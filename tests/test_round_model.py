@@ -77,8 +77,15 @@ class TakesBusyForFinal(RoundMachine):
         super()._record_answer(sender, Status.FAILED if status == Status.BUSY else status, msg, now)
 
 
+class PacesByItself(RoundMachine):
+    """Takes the pace it asked for as its group's, not the one its group agreed on."""
+
+    def _adopt(self, members, pace: int, now: float, out: list[Effect], how: str) -> None:
+        super()._adopt(members, self.wish or pace, now, out, how)
+
+
 VARIANTS: dict[str, type[RoundMachine]] = {
-    cls.__name__: cls for cls in (DeliversOnlyToLivePeers, TakesBusyForFinal)
+    cls.__name__: cls for cls in (DeliversOnlyToLivePeers, TakesBusyForFinal, PacesByItself)
 }
 
 

@@ -68,7 +68,7 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
             if algo == "cocodc" or i == 0:  # streaming: peers 1 and 2 pick the free shards themselves
                 args += ["--shard", f"{i}/3"]
             args += ["--out", f"peer{i}.jsonl", "--save", f"peer{i}.safetensors", "--run-id", f"t-{algo}"]
-            args += ["--verbose"]
+            args += ["--verbose", "--pace", "fixed"]  # the simulator's timetable, however loaded this machine
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
         sim = run_cli(
             ["simulate", "--algo", algo, *TINY, "--out", "sim.jsonl", "--save", "sim.safetensors"],
@@ -297,7 +297,18 @@ def test_a_whole_swarm_killed_and_resumed_ends_with_the_uninterrupted_global_mod
     run again the syncs that were in flight there, and end with the θ̄ of the uninterrupted run
     (the simulator's, with the same options), bit for bit."""
     boot = start_bootstrap(tmp_path)
-    common = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "400"]
+    common = [
+        "join",
+        "--bootstrap",
+        boot.maddr,
+        "--algo",
+        "cocodc",
+        *TINY,
+        "--steps",
+        "400",
+        "--pace",
+        "fixed",
+    ]
     common += ["--run-id", "resumed", "--checkpoint-every", "16", "--verbose"]
 
     def start(i: int, *extra: str) -> subprocess.Popen:

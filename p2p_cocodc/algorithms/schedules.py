@@ -22,6 +22,8 @@ class Schedule(Protocol):
 
     def record_result(self, fragment: int, delta: torch.Tensor) -> None: ...
 
+    def set_spacing(self, spacing: int) -> None: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -51,6 +53,9 @@ class FixedSchedule:
     def record_result(self, fragment: int, delta: torch.Tensor) -> None:
         """Fixed offsets ignore the results."""
 
+    def set_spacing(self, spacing: int) -> None:
+        raise ValueError("a fixed timetable cannot be paced: only CoCoDC's adaptive schedule can")
+
     def state_dict(self) -> dict[str, Any]:
         """Nothing: the timetable is a function of the step and the settings."""
         return {}
@@ -67,11 +72,16 @@ class AdaptiveSchedule:
     not sent for ≥ H steps (staleness bound); else the first never-sent fragment; else the highest
     drift score rms(last averaged Δ_p) · (steps since p's last send) / (length of p's last
     interval). The score uses only averaged results and send steps, identical on every peer.
+
+    The spacing may be widened while the run goes on (``set_spacing``: "send less"), from a value
+    every replica learns at the same step (in a swarm, with a round's average; see ``paced_spacing``);
+    it is never narrower than ⌊H/N⌋, and it is part of the state.
     """
 
     def __init__(self, inner_steps: int, num_fragments: int, transmissions: int) -> None:
         self.inner_steps = inner_steps
-        self.spacing = max(inner_steps // transmissions, 1)
+        self.base_spacing = max(inner_steps // transmissions, 1)
+        self.spacing = self.base_spacing
         self.last_send = [0] * num_fragments  # 0: synchronised at initialisation
         self.prev_send = [0] * num_fragments
         self.sent = [False] * num_fragments
@@ -104,9 +114,17 @@ class AdaptiveSchedule:
         """Remember the size of the averaged outer gradient: the drift estimate for the score."""
         self.last_rms[fragment] = math.sqrt(float(delta.double().square().sum()) / delta.numel())
 
+    def set_spacing(self, spacing: int) -> None:
+        """Send slots every ``max(spacing, ⌊H/N⌋)`` steps from now on (slots are the multiples of it)."""
+        if not isinstance(spacing, int) or isinstance(spacing, bool) or spacing < 1:
+            raise ValueError(f"a send-slot spacing must be an int ≥ 1, got {spacing!r}")
+        self.spacing = max(spacing, self.base_spacing)
+
     def state_dict(self) -> dict[str, Any]:
-        """Send steps, sent flags and drift estimates per fragment (plain Python values)."""
+        """The slot spacing; send steps, sent flags and drift estimates per fragment (plain Python
+        values)."""
         return {
+            "spacing": self.spacing,
             "last_send": list(self.last_send),
             "prev_send": list(self.prev_send),
             "sent": list(self.sent),
@@ -116,7 +134,26 @@ class AdaptiveSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take over a ``state_dict()`` of a schedule with as many fragments."""
         k = len(self.sent)
+        self.set_spacing(state["spacing"])
         self.last_send = expect_list(state["last_send"], k, int, "last_send")
         self.prev_send = expect_list(state["prev_send"], k, int, "prev_send")
         self.sent = expect_list(state["sent"], k, bool, "sent")
         self.last_rms = expect_list(state["last_rms"], k, float, "last_rms")
+
+
+MAX_PACE_PERIODS = 4  # a paced schedule sends at least once every 4·H steps
+
+
+def paced_spacing(
+    base: int, inner_steps: int, link_busy_s: float, step_time_s: float, headroom: float
+) -> int:
+    """The send-slot spacing a peer asks for so that its link keeps up: h = ⌈headroom · T / s⌉, where
+    T is the time its link is busy per round (measured) and s its inner step time; never below
+    ``base`` (⌊H/N⌋), never above 4·H. This is CoCoDC's N = ⌊H·s/T⌋ (``--transmissions auto``) from
+    measurements taken while the run goes on, with h = H/N; headroom > 1 leaves part of the link to
+    the notice board and the protocol's small messages. With nothing measured yet (T or s ≤ 0) the
+    answer is ``base``."""
+    if link_busy_s <= 0 or step_time_s <= 0:
+        return base
+    wanted = math.ceil(headroom * link_busy_s / step_time_s - 1e-9)
+    return max(base, min(wanted, MAX_PACE_PERIODS * inner_steps))

@@ -129,13 +129,17 @@ class Strategy:
         ready = [(s.due_step, p) for p, s in self.in_flight.items() if s.due_step <= step]
         return [p for _, p in sorted(ready)]
 
-    def apply(self, p: int, averaged: torch.Tensor, step: int) -> None:
-        """Outer step on θ̄_p with the averaged Δ_p, then fold the new global into the replica."""
+    def apply(self, p: int, averaged: torch.Tensor, step: int, spacing: int = 0) -> None:
+        """Outer step on θ̄_p with the averaged Δ_p, then fold the new global into the replica.
+        ``spacing`` > 0: the send-slot spacing agreed with this result (a swarm's pace), taken by
+        the schedule from the next slot on."""
         pending = self.in_flight.pop(p)
         new_global = self.outer[p].step(averaged)
         fragment = self.fragments[p]
         fragment.write(self.merge(fragment, new_global, pending, step))
         self.schedule.record_result(p, averaged)
+        if spacing:
+            self.schedule.set_spacing(spacing)
 
     def abandon(self, p: int) -> None:
         """The sync of fragment p failed: θ̄_p and the replica stay as they are, p may be sent again.

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +85,7 @@ MESSAGE_TIMEOUT_S = 30.0  # opening a stream and writing one small message
 TICK_S = 0.2
 BULK_BYTES = 64 * 1024  # a message this large or larger waits its turn on the link to its peer
 STOP_GRACE_S = 5.0  # how long stop() lets messages being written go out
+LINK_WINDOW = 64  # bulk deliveries the link meter remembers
 
 
 class RoundFailed(Exception):
@@ -111,6 +112,39 @@ class ExchangeStats:
         if num_bytes >= 64 * 1024 and seconds > 0:
             mbps = 8e-6 * num_bytes / seconds
             self.bandwidth_mbps = mbps if not self.bandwidth_mbps else 0.8 * self.bandwidth_mbps + 0.2 * mbps
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """A round this peer completed: its members' data shards (in member order) and its pace."""
+
+    shards: tuple[int, ...]
+    pace: int
+
+
+class LinkMeter:
+    """How long this peer's link is busy per round, from its bulk deliveries: each PART or RESULT
+    from the start of its write to the member's acknowledgement. Deliveries to several members
+    overlap, so the busy time is the union of those intervals; divided by the number of rounds they
+    belong to, it is the link time one round takes here (whatever else shares the link, and however
+    much the kernel and the daemon buffer), over the last ``LINK_WINDOW`` deliveries."""
+
+    def __init__(self) -> None:
+        self.deliveries: deque[tuple[float, float, str]] = deque(maxlen=LINK_WINDOW)
+
+    def record(self, started: float, acked: float, round_id: str) -> None:
+        self.deliveries.append((started, acked, round_id))
+
+    def busy_per_round_s(self) -> float:
+        """0.0 until a delivery was acknowledged."""
+        if not self.deliveries:
+            return 0.0
+        busy, reach = 0.0, -math.inf
+        for start, end, _ in sorted(self.deliveries):
+            if end > reach:
+                busy += end - max(start, reach)
+                reach = end
+        return busy / len({round_id for _, _, round_id in self.deliveries})
 
 
 class FragmentExchange:
@@ -141,11 +175,12 @@ class FragmentExchange:
         self.link_mbps = link_mbps  # the run's declared link (--bandwidth-mbps)
         self.round_bytes = round_bytes  # what one peer sends in the largest round
         self.stats = ExchangeStats()
+        self.link = LinkMeter()
         self.deadlines = self.current_deadlines()
         self.open: dict[str, RoundMachine] = {}
         self.finished: OrderedDict[str, RoundMachine] = OrderedDict()
         self.waiting: dict[str, asyncio.Future[Any]] = {}
-        self.groups: dict[str, tuple[int, ...]] = {}  # completed rounds -> their members' data shards
+        self.groups: dict[str, GroupRecord] = {}  # completed rounds, with their groups
         self.sending: dict[tuple[str, str, int, int], asyncio.Task[None]] = {}
         self.sent_once: dict[str, set[tuple[str, str, int, int]]] = {}  # round -> deliveries sent
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -200,10 +235,12 @@ class FragmentExchange:
     # ---- the facade ----
 
     async def allreduce(
-        self, round_id: str, vector: torch.Tensor, step: int, take_part: bool = True
+        self, round_id: str, vector: torch.Tensor, step: int, take_part: bool = True, pace: int = 0
     ) -> torch.Tensor:
         """The mean of ``vector`` over this round's group; a peer left out of the group, or whose
-        all-reduce failed, gets the average another peer completed, bit for bit.
+        all-reduce failed, gets the average another peer completed, bit for bit. ``pace``: the
+        send-slot spacing this peer asks for (``paced_spacing``); the round's agreed pace is in
+        ``groups[round_id]`` once it completed.
 
         ``take_part=False``: this peer only wants the round's average (it joined the run after the
         round was sent, or is coming back to it): it promises to join no group of the round and asks
@@ -221,7 +258,7 @@ class FragmentExchange:
                 # a machine opened by another peer's message holds the board as of then, and a
                 # tick may not have passed since: it must not lead with a view older than ours
                 self._feed(round_id, machine, ViewChanged(self._board()))
-                self._feed(round_id, machine, Start(step, vector))
+                self._feed(round_id, machine, Start(step, vector, pace))
             elif take_part:
                 raise RoundFailed(f"round {round_id} was already run here")
             result = machine.outcome if machine.outcome is not None else await outcome
@@ -229,7 +266,7 @@ class FragmentExchange:
             self.waiting.pop(round_id, None)
         if isinstance(result, Completed):
             self.stats.rounds_done += 1
-            self.groups[round_id] = tuple(shard for _, shard in result.members)
+            self.groups[round_id] = GroupRecord(tuple(shard for _, shard in result.members), result.pace)
             if len(self.groups) > MAX_FINISHED:
                 del self.groups[next(iter(self.groups))]
             return result.average
@@ -389,11 +426,13 @@ class FragmentExchange:
         async with turn:
             key = (to, message.round_id, int(message.code), getattr(message, "index", 0))
             acked = self.acks_awaited[key] = asyncio.Event()
+            started = time.monotonic()
             try:
                 if await self._write(to, message) and message.code in (Code.PART, Code.RESULT):
                     wait = self.deadlines.resend_after(size)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(acked.wait(), wait)
+                        self.link.record(started, time.monotonic(), message.round_id)
             finally:
                 self.acks_awaited.pop(key, None)
 

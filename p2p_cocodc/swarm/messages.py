@@ -7,15 +7,15 @@ type-checked and bounded, and anything else is a ``BadMessage`` naming what was 
 
 | code | fields | meaning |
 |---|---|---|
-| JOIN | shard, fingerprint | "list me in this round" (to the peer I take for its leader) |
-| PROBE | shard, fingerprint | "what do you know of this round?" (a leader to a peer that has not joined) |
+| JOIN | shard, fingerprint, pace | "list me in this round; my link keeps up at this send-slot spacing" |
+| PROBE | shard, fingerprint, pace | "what do you know of this round?" (to a peer that has not joined) |
 | LEADER | leader | "I take this peer for the round's leader" (answer to JOIN / PROBE) |
-| GROUP | members | "the round's group is this list" (from its leader, or anyone who holds it) |
-| PART | members, index, numel, data | my encoding of slice ``index`` for its owner |
-| RESULT | members, index, numel, data | the owner's encoded mean of slice ``index`` |
+| GROUP | members, pace | "the round's group is this list, with this pace" (from its leader, or any holder) |
+| PART | members, pace, index, numel, data | my encoding of slice ``index`` for its owner |
+| RESULT | members, pace, index, numel, data | the owner's encoded mean of slice ``index`` |
 | ACK | kind, index | a PART or RESULT arrived |
-| FETCH | ask, members, observer | "give me the average" (a left-out or failed member; an observer) |
-| AVERAGE | members, numel, data | the round's average, fp32, bit-exact |
+| FETCH | ask, members, pace, observer | "give me the average" (a left-out or failed member; an observer) |
+| AVERAGE | members, pace, numel, data | the round's average, fp32, bit-exact |
 | STATUS | status, detail, ask | where the round stands here, when that is the whole answer (see ``Status``) |
 | BYE | | the sender is leaving the run (round "-"): it joins no new group, finishes what it is in |
 """
@@ -32,6 +32,7 @@ MAX_ROUND_ID = 64
 MAX_PEER_ID = 128
 MAX_MEMBERS = 1024
 MAX_DETAIL = 200
+MAX_PACE = 1 << 24  # a send-slot spacing in inner steps (0: none asked or agreed)
 
 Members = tuple[tuple[str, int], ...]  # (peer id, data shard), in member order
 
@@ -77,10 +78,11 @@ class Message:
 class Join(Message):
     shard: int = 0
     fingerprint: str = ""
+    pace: int = 0  # the send-slot spacing this peer's link keeps up with (0: it asks for none)
     code: ClassVar[Code] = Code.JOIN
 
     def fields(self) -> dict[str, Any]:
-        return {"shard": self.shard, "fingerprint": self.fingerprint}
+        return {"shard": self.shard, "fingerprint": self.fingerprint, "pace": self.pace}
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,11 @@ class Leader(Message):
 @dataclass(frozen=True)
 class Group(Message):
     members: Members = ()
+    pace: int = 0  # the spacing the group agreed on: the largest its members asked for (0: none)
     code: ClassVar[Code] = Code.GROUP
 
     def fields(self) -> dict[str, Any]:
-        return {"members": [list(m) for m in self.members]}
+        return {"members": [list(m) for m in self.members], "pace": self.pace}
 
 
 @dataclass(frozen=True)
@@ -136,11 +139,13 @@ class Ack(Message):
 class Fetch(Message):
     ask: int = 0  # numbers the asker's FETCHes; the STATUS answering it repeats the number
     members: Members = ()  # the asker's group of the round, if it has one
+    pace: int = 0  # that group's pace
     observer: bool = False  # the asker only wants the average (it joined the run after the round)
     code: ClassVar[Code] = Code.FETCH
 
     def fields(self) -> dict[str, Any]:
-        return {"ask": self.ask, "members": [list(m) for m in self.members], "observer": self.observer}
+        members = [list(m) for m in self.members]
+        return {"ask": self.ask, "members": members, "pace": self.pace, "observer": self.observer}
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,7 @@ def parse_message(body: Any) -> Message:
         shard, fingerprint = body.get("shard"), body.get("fingerprint")
         if not is_index(shard) or not isinstance(fingerprint, str) or len(fingerprint) > 64:
             raise BadMessage(f"{code.name} needs an int 'shard' ≥ 0 and a short string 'fingerprint'")
-        return (Join if code == Code.JOIN else Probe)(round_id, shard, fingerprint)
+        return (Join if code == Code.JOIN else Probe)(round_id, shard, fingerprint, _pace(body))
     if code == Code.BYE:
         return Bye(round_id)
     if code == Code.LEADER:
@@ -200,7 +205,7 @@ def parse_message(body: Any) -> Message:
             raise BadMessage(
                 "FETCH needs an int 'ask', a 'members' list (empty without a group) and a bool 'observer'"
             )
-        return Fetch(round_id, ask, parse_members(members) if members else (), observer)
+        return Fetch(round_id, ask, parse_members(members) if members else (), _pace(body), observer)
     if code == Code.ACK:
         kind, index = body.get("kind"), body.get("index")
         if kind not in (Code.PART, Code.RESULT) or not is_index(index):
@@ -213,18 +218,18 @@ def parse_message(body: Any) -> Message:
         if not is_index(ask):
             raise BadMessage("STATUS needs an int 'ask'")
         return StatusReply(round_id, Status(status), detail, ask)
-    members = parse_members(body.get("members"))
+    members, pace = parse_members(body.get("members")), _pace(body)
     if code == Code.GROUP:
-        return Group(round_id, members)
+        return Group(round_id, members, pace)
     numel, data = body.get("numel"), body.get("data")
     if not is_index(numel) or not isinstance(data, bytes):
         raise BadMessage(f"{code.name} needs an int 'numel' ≥ 0 and bytes 'data'")
     if code == Code.AVERAGE:
-        return Average(round_id, members, numel, data)
+        return Average(round_id, members, pace, numel, data)
     index = body.get("index")
     if not is_index(index) or index >= len(members):
         raise BadMessage(f"{code.name} needs an int 'index' below the number of members")
-    return (Part if code == Code.PART else Result)(round_id, members, index, numel, data)
+    return (Part if code == Code.PART else Result)(round_id, members, pace, index, numel, data)
 
 
 def parse_members(members: Any) -> Members:
@@ -239,6 +244,13 @@ def parse_members(members: Any) -> Members:
     if len({peer for peer, _ in parsed}) != len(parsed):
         raise BadMessage("a peer appears twice in the member list")
     return tuple(parsed)
+
+
+def _pace(body: dict) -> int:
+    pace = body.get("pace")
+    if not is_index(pace) or pace > MAX_PACE:
+        raise BadMessage(f"'pace' must be an int in [0, {MAX_PACE}]")
+    return pace
 
 
 def _peer_id(value: Any, what: str) -> str:

@@ -126,10 +126,12 @@ class BoardPeer:
 
 @dataclass(frozen=True)
 class Start:
-    """This peer reached the round: average ``vector`` (sent after inner step ``step``)."""
+    """This peer reached the round: average ``vector`` (sent after inner step ``step``); ``pace``
+    is the send-slot spacing its link keeps up with (0: it asks for none)."""
 
     step: int
     vector: torch.Tensor
+    pace: int = 0
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,7 @@ class Compute:
 class Completed:
     average: torch.Tensor
     members: Members
+    pace: int  # the group's pace: the largest send-slot spacing its members asked for
     by_butterfly: bool  # False: fetched from a peer that completed
 
 
@@ -235,7 +238,7 @@ def run_job(job: Job, codec: Codec) -> Computed:
             means, sizes = job.inputs
             value = assemble(means, sizes, codec)
         else:
-            data, numel = job.inputs[:2]  # decode: (data, numel, members, sender)
+            data, numel = job.inputs[:2]  # decode: (data, numel, members, pace, sender)
             value = EXACT.decode(data, numel)
     except UserError as exc:
         return Computed(job, error=str(exc))
@@ -300,6 +303,8 @@ class RoundMachine:
         self.gave_up: set[str] = set()  # peers that asked for the average: they will not join
         # forming
         self.joins: dict[str, int] = {}  # while leading: joined peer -> shard
+        self.wish = 0  # the pace this peer asks for (from Start)
+        self.wishes: dict[str, int] = {}  # while leading: joined peer -> the pace it asked for
         self.joined: str | None = None  # the leader we sent JOIN to
         self.closing_since: float | None = None  # the leader's deadline passed: last probes are out
         self.leading_since: float | None = None  # since when this peer takes itself for the leader
@@ -310,6 +315,7 @@ class RoundMachine:
         self.last_sent: dict[tuple[Code, str], float] = {}
         # the group and the butterfly
         self.members: Members | None = None
+        self.pace = 0  # the group's pace, with its members
         self.adopted_at = now
         self.slices: list[bytes] | None = None
         self.sizes: list[int] = []
@@ -419,7 +425,7 @@ class RoundMachine:
     def _on_start(self, event: Start, now: float, out: list[Effect]) -> None:
         if self.phase != Phase.IDLE:
             return
-        self.step, self.vector = event.step, event.vector
+        self.step, self.vector, self.wish = event.step, event.vector, event.pace
         self.started_at = now
         etas = [max(event.step - p.step, 0) * p.step_time_s for p in self.view.values()]
         self.eta_s = max(etas, default=0.0)
@@ -449,14 +455,14 @@ class RoundMachine:
             hinted = msg.leader
             if hinted != self.me and hinted not in self.candidates(now) and self.phase == Phase.FORMING:
                 if self._due(Code.PROBE, hinted, now):  # a peer we do not know takes part: ask it
-                    self._send(out, hinted, Probe(self.round_id, self.shard, self.fingerprint), now)
+                    self._send(out, hinted, self._probe(), now)
         elif isinstance(msg, Part | Result):
             self._on_delivery(sender, msg, now, out)
         elif isinstance(msg, Average):
             self._on_average(sender, msg, now, out)
         elif isinstance(msg, Group):
             self.answered_probe[sender] = now
-            self._on_group(sender, msg.members, now, out)
+            self._on_group(sender, msg, now, out)
         elif isinstance(msg, Ack):
             self.acked.add((msg.kind, sender))
         elif isinstance(msg, Fetch):
@@ -467,22 +473,24 @@ class RoundMachine:
 
     def _on_join(self, sender: str, msg: Join, now: float, out: list[Effect]) -> None:
         if self.members is not None:
-            self._send(out, sender, Group(self.round_id, self.members), now, expect=False)
+            self._send(out, sender, Group(self.round_id, self.members, self.pace), now, expect=False)
         elif isinstance(self.outcome, Completed):  # copied from a group we were not in: that group
-            self._send(out, sender, Group(self.round_id, self.outcome.members), now, expect=False)
+            group = Group(self.round_id, self.outcome.members, self.outcome.pace)
+            self._send(out, sender, group, now, expect=False)
         elif self.phase == Phase.DONE or self.phase == Phase.RECOVERING or self.gave_round_up:
             self._reply_settled(out, sender, now)  # a promise, too: never lead or join what we gave up
         elif msg.code == Code.JOIN and self.leader(now) == self.me:
             self.joins[sender] = msg.shard
+            self.wishes[sender] = msg.pace
             self._send(out, sender, Leader(self.round_id, self.me), now, expect=False)
         else:
             self._send(out, sender, Leader(self.round_id, self.leader(now)), now, expect=False)
 
-    def _on_group(self, sender: str, members: Members, now: float, out: list[Effect]) -> None:
+    def _on_group(self, sender: str, msg: Group, now: float, out: list[Effect]) -> None:
         if self.members is None:
             if self.phase in (Phase.IDLE, Phase.FORMING):
-                self._adopt(members, now, out, f"from {short(sender)}")
-        elif members != self.members and self.phase == Phase.RUNNING and self._is_member(sender):
+                self._adopt(msg.members, msg.pace, now, out, f"from {short(sender)}")
+        elif not self._same_group(msg) and self.phase == Phase.RUNNING and self._is_member(sender):
             self._recover(now, out, f"member {short(sender)} is in another group of the round")
 
     def _on_delivery(self, sender: str, msg: Part, now: float, out: list[Effect]) -> None:
@@ -491,10 +499,10 @@ class RoundMachine:
         if self.vector is not None and len(msg.data) > self.codec.wire_bytes(self.vector.numel()):
             return  # larger than our whole vector encoded: never held
         if self.members is None and self.phase == Phase.FORMING:
-            self._adopt(msg.members, now, out, f"from a delivery of {short(sender)}")
-        if self.members != msg.members:
+            self._adopt(msg.members, msg.pace, now, out, f"from a delivery of {short(sender)}")
+        if not self._same_group(msg):
             if self.members is not None:
-                self._send(out, sender, Group(self.round_id, self.members), now, expect=False)
+                self._send(out, sender, Group(self.round_id, self.members, self.pace), now, expect=False)
             else:
                 self._reply_settled(out, sender, now)
             return
@@ -529,17 +537,17 @@ class RoundMachine:
             if msg.numel != self.vector.numel():
                 return
             self.jobs_out.add("decode")
-            out.append(Compute(Job("decode", (msg.data, msg.numel, msg.members, sender))))
+            out.append(Compute(Job("decode", (msg.data, msg.numel, msg.members, msg.pace, sender))))
 
     def _on_fetch(self, sender: str, msg: Fetch, now: float, out: list[Effect]) -> None:
         self.gave_up.add(sender)  # it will not join: a leader stops waiting for it
         self.joins.pop(sender, None)
         if msg.members and self.members is None and self.phase in (Phase.IDLE, Phase.FORMING):
-            self._adopt(msg.members, now, out, f"from a FETCH of {short(sender)}")
+            self._adopt(msg.members, msg.pace, now, out, f"from a FETCH of {short(sender)}")
         if isinstance(self.outcome, Completed):
-            average = self.outcome.average
+            done, average = self.outcome, self.outcome.average
             reply: Message = Average(
-                self.round_id, self.outcome.members, average.numel(), EXACT.encode(average)
+                self.round_id, done.members, done.pace, average.numel(), EXACT.encode(average)
             )
             self._send(out, sender, reply, now, expect=False)
         elif self.outcome is not None or self.phase == Phase.RECOVERING:
@@ -592,9 +600,9 @@ class RoundMachine:
             return
         if kind == "decode":
             if self.phase == Phase.RECOVERING and event.error is None:
-                _, _, members, sender = event.job.inputs
+                _, _, members, pace, sender = event.job.inputs
                 assert isinstance(event.value, torch.Tensor)
-                self._settle(Completed(event.value, members, by_butterfly=False), now, out)
+                self._settle(Completed(event.value, members, pace, by_butterfly=False), now, out)
                 out.append(Note(f"round {self.round_id}: took the average {short(sender)} completed"))
             return
         if self.phase != Phase.RUNNING:
@@ -610,7 +618,7 @@ class RoundMachine:
             self.results[self.me] = event.value
         elif kind == "assemble":
             assert isinstance(event.value, torch.Tensor) and self.members is not None
-            self._settle(Completed(event.value, self.members, by_butterfly=True), now, out)
+            self._settle(Completed(event.value, self.members, self.pace, by_butterfly=True), now, out)
 
     # ---- the phases ----
 
@@ -636,7 +644,7 @@ class RoundMachine:
             self.leading_since = None
             if self.joined != leader or self._due(Code.JOIN, leader, now):
                 self.joined = leader
-                self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint), now)
+                self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint, self.wish), now)
             if now >= self.deadlines.join_patience(self.started_at, self.eta_s):
                 self._recover(now, out, f"leader {short(leader)} did not form the group in time")
             return
@@ -652,13 +660,13 @@ class RoundMachine:
         overdue = {p for p in missing if p not in self.view or self.view[p].step >= self.step}
         for peer in sorted(overdue):  # it is past the round, or unseen on the board: ask what it knows
             if self._due(Code.PROBE, peer, now, 2 * self.deadlines.resend_s):
-                self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
+                self._send(out, peer, self._probe(), now)
         if now < self.deadlines.form_by(self.started_at, self.eta_s):
             return
         if self.closing_since is None:  # the deadline: a last probe of every missing peer
             self.closing_since = now
             for peer in sorted(missing):
-                self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
+                self._send(out, peer, self._probe(), now)
         # no missing peer is coming, and no peer that did not join holds a group: form without them
         if self._last_probes_answered(missing, now, out) & self._others_answered(missing, now, out):
             out.append(Note(f"round {self.round_id}: forms without {sorted(short(p) for p in missing)}"))
@@ -677,7 +685,7 @@ class RoundMachine:
         }
         for peer in sorted(unknown):
             if self._due(Code.PROBE, peer, now, 2 * self.deadlines.resend_s):
-                self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
+                self._send(out, peer, self._probe(), now)
         return not unknown
 
     def _last_probes_answered(self, missing: set[str], now: float, out: list[Effect]) -> bool:
@@ -695,20 +703,25 @@ class RoundMachine:
         }
         for peer in sorted(unanswered):
             if self._due(Code.PROBE, peer, now):
-                self._send(out, peer, Probe(self.round_id, self.shard, self.fingerprint), now)
+                self._send(out, peer, self._probe(), now)
         return not unanswered
 
     def _decide(self, now: float, out: list[Effect]) -> None:
+        """The group: every peer that joined, by data shard; its pace is the largest any asked for
+        (the slowest member's link sets everyone's schedule)."""
         members = tuple(sorted(self.joins.items(), key=lambda item: (item[1], item[0])))
-        self._adopt(members, now, out, "as its leader")
+        self.wishes[self.me] = self.wish
+        pace = max(self.wishes.get(peer, 0) for peer, _ in members)
+        self._adopt(members, pace, now, out, "as its leader")
 
-    def _adopt(self, members: Members, now: float, out: list[Effect], how: str) -> None:
+    def _adopt(self, members: Members, pace: int, now: float, out: list[Effect], how: str) -> None:
         """The first group this peer learns is its group of the round, for good."""
-        self.members = members
+        self.members, self.pace = members, pace
         self.adopted_at = now
-        out.append(Note(f"round {self.round_id}: group {[f'{short(p)}:{s}' for p, s in members]} ({how})"))
+        listed = [f"{short(p)}:{s}" for p, s in members]
+        out.append(Note(f"round {self.round_id}: group {listed}, pace {pace} ({how})"))
         for peer in sorted(set(self.joins) - {self.me}):  # our joiners learn it from us
-            self._send(out, peer, Group(self.round_id, members), now, expect=False)
+            self._send(out, peer, Group(self.round_id, members, pace), now, expect=False)
         self.joins = {}
         if self.phase == Phase.FORMING:
             self._enter_group(now, out)
@@ -725,7 +738,7 @@ class RoundMachine:
         self.phase = Phase.RUNNING
         self.adopted_at = max(self.adopted_at, self.started_at)
         if len(self.members) == 1:
-            self._settle(Completed(self.vector.clone(), self.members, by_butterfly=True), now, out)
+            self._settle(Completed(self.vector.clone(), self.members, self.pace, by_butterfly=True), now, out)
             return
         self.sizes = slice_sizes(self.vector.numel(), len(self.members), self.codec.block)
         for sender in list(self.parts):
@@ -773,7 +786,7 @@ class RoundMachine:
         if self._due(code, peer, now, self.deadlines.resend_after(len(data))):
             assert self.members is not None
             message = (Part if code == Code.PART else Result)(
-                self.round_id, self.members, index, self.sizes[index], data
+                self.round_id, self.members, self.pace, index, self.sizes[index], data
             )
             self._send(out, peer, message, now)
 
@@ -827,7 +840,7 @@ class RoundMachine:
             if self._due(Code.FETCH, peer, now):
                 rec.asks += 1
                 rec.unanswered_since.setdefault(peer, now)
-                fetch = Fetch(self.round_id, ask=rec.asks, members=self.members or (), observer=self.observer)
+                fetch = Fetch(self.round_id, rec.asks, self.members or (), self.pace, observer=self.observer)
                 self._send(out, peer, fetch, now)
         if pending or "decode" in self.jobs_out:
             return
@@ -881,6 +894,12 @@ class RoundMachine:
         self, out: list[Effect], to: str, status: Status, detail: str, now: float, ask: int = 0
     ) -> None:
         self._send(out, to, StatusReply(self.round_id, status, detail[:200], ask), now, expect=False)
+
+    def _probe(self) -> Probe:
+        return Probe(self.round_id, self.shard, self.fingerprint, self.wish)
+
+    def _same_group(self, msg: Group) -> bool:
+        return (msg.members, msg.pace) == (self.members, self.pace)
 
     def _is_member(self, peer: str) -> bool:
         return self.members is not None and any(p == peer for p, _ in self.members)
