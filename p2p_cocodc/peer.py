@@ -857,12 +857,15 @@ class Peer:
 
     def _pace_wish(self) -> int:
         """The send-slot spacing this peer's link keeps up with (CoCoDC only; 0: none): each round's
-        group takes the largest its members ask for, and every peer applies it with the round."""
+        group takes the largest its members ask for, and every peer applies it with the round. The
+        link's busy time per round is measured (``LinkMeter``); until a delivery was acknowledged,
+        it is what the declared link (--bandwidth-mbps) would take for a round's bytes."""
         assert isinstance(self.strategy, Strategy) and self.exchange is not None
         schedule = self.strategy.schedule
         if not isinstance(schedule, AdaptiveSchedule) or self.opts.pace == "fixed":
             return 0
-        busy = self.exchange.link.busy_per_round_s()
+        declared = 8.0 * self._round_bytes() / (self.cfg.bandwidth_mbps * 1e6)
+        busy = self.exchange.link.busy_per_round_s() or declared
         return paced_spacing(
             schedule.base_spacing, self.cfg.inner_steps, busy, self.step_time_s, LINK_HEADROOM
         )

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,15 +28,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def records(path: Path) -> list[dict]:
+    """The records of a run's --out file (JSON lines)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     """``p2p-cocodc ARGS`` to completion, output captured."""
     return subprocess.run(CLI + args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def spawn(args: list[str], cwd: Path, log_name: str) -> subprocess.Popen:
+def spawn(args: list[str], cwd: Path, log_name: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """``p2p-cocodc ARGS`` in its own process group, output to ``log_name``; ``prefix`` runs it
+    through a command such as ``ip netns exec NS`` (which execs it: the group stays the same)."""
     log = open(cwd / log_name, "w")  # noqa: SIM115 - the process owns it until it ends
     return subprocess.Popen(
-        CLI + args, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
+        [*prefix, *CLI, *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
     )
 
 
@@ -132,13 +140,13 @@ class Bootstrap:
     host_port: str
 
 
-def start_bootstrap(cwd: Path) -> Bootstrap:
+def start_bootstrap(cwd: Path, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Bootstrap:
     status_port = free_port()
     proc = spawn(
         [
             "bootstrap",
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(free_port()),
             "--status-port",
@@ -150,6 +158,7 @@ def start_bootstrap(cwd: Path) -> Bootstrap:
         ],
         cwd,
         "bootstrap.log",
+        prefix,
     )
     address = cwd / "bootstrap.json"
 
@@ -159,4 +168,4 @@ def start_bootstrap(cwd: Path) -> Bootstrap:
         return json.loads(address.read_text()) if address.exists() else None
 
     info = wait_for(ready, 60, "the bootstrap's address file")
-    return Bootstrap(proc, info["maddrs"][0], f"127.0.0.1:{status_port}")
+    return Bootstrap(proc, info["maddrs"][0], f"{host}:{status_port}")

@@ -12,7 +12,7 @@ from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_p
 from p2p_cocodc.algorithms.fragments import assign_units, make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
-from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule
+from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, paced_spacing
 from p2p_cocodc.algorithms.strategies import Strategy, make_strategy
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.errors import UserError
@@ -172,6 +172,33 @@ def test_adaptive_schedule_bounds_staleness_and_never_resends_in_flight() -> Non
     assert order[:K] == list(range(K))  # never-sent fragments first
     counts = [order.count(p) for p in range(K)]
     assert counts[3] > counts[0]  # the fastest-drifting fragment is sent most often
+
+
+def test_a_paced_schedule_spaces_its_slots_never_below_h_over_n_and_keeps_the_spacing() -> None:
+    schedule = AdaptiveSchedule(inner_steps=24, num_fragments=4, transmissions=4)  # a slot every 6
+    assert [t for t in range(1, 40) if schedule.select(t, ())] == [6, 12, 18, 24, 30, 36]
+    schedule.set_spacing(15)
+    assert [t for t in range(1, 40) if schedule.select(t, ())] == [15, 30]
+    schedule.set_spacing(2)  # narrower than ⌊H/N⌋: the configured N stays the most a run sends
+    assert schedule.spacing == 6
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="spacing"):
+            schedule.set_spacing(bad)  # type: ignore[arg-type]
+    schedule.set_spacing(20)
+    restored = AdaptiveSchedule(inner_steps=24, num_fragments=4, transmissions=4)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.spacing == 20
+    with pytest.raises(ValueError, match="cannot be paced"):
+        FixedSchedule(24, 4).set_spacing(12)
+
+
+def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> None:
+    # the link is busy 3 s per round, a step takes 0.25 s: with 25 % headroom, a slot every 15 steps
+    assert paced_spacing(6, 24, 3.0, 0.25, 1.25) == 15
+    assert paced_spacing(6, 24, 0.1, 0.25, 1.25) == 6  # a fast link: the configured ⌊H/N⌋
+    assert paced_spacing(6, 24, 600.0, 0.25, 1.25) == 4 * 24  # at most one slot every 4·H steps
+    assert paced_spacing(6, 24, 0.0, 0.25, 1.25) == 6  # nothing measured yet
+    assert paced_spacing(6, 24, 3.0, 0.0, 1.25) == 6
 
 
 def test_adaptive_schedule_picks_highest_drift() -> None:

@@ -30,7 +30,7 @@ from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.metrics import RunLog
 from p2p_cocodc.sim import Simulation
-from tests.swarm_procs import run_cli, sigkill_like_a_crash, spawn, wait_for
+from tests.swarm_procs import records, run_cli, sigkill_like_a_crash, spawn, wait_for
 from tests.test_cli import assert_one_error_line
 from tests.tiny_options import TINY_MODEL, TINY_SYNCS
 
@@ -79,10 +79,6 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
 def stop_at(sim: Simulation, step: int):
     """A stop request, as SIGTERM makes one, once ``sim`` has done ``step`` steps."""
     return lambda: signal.SIGTERM if sim.step == step else None
-
-
-def records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 def without_config(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:

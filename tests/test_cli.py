@@ -7,7 +7,6 @@ turning torch's thread pool into a spin-wait (and makes the hashes independent o
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.swarm_procs import records
 from tests.tiny_options import TINY_MODEL
 
 TINY = [
@@ -86,10 +86,6 @@ def in_parallel(jobs: dict[str, list[Any]], env: dict[str, str]) -> dict[str, An
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {key: pool.submit(cli, env, *args) for key, args in jobs.items()}
         return {key: f.result() for key, f in futures.items()}
-
-
-def records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def assert_one_error_line(proc: subprocess.CompletedProcess[str], *names: str) -> str:

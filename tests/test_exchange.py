@@ -16,7 +16,7 @@ import torch
 from p2p_cocodc.butterfly import slice_bounds
 from p2p_cocodc.codecs import CODECS, get_codec
 from p2p_cocodc.swarm import exchange as exchange_module
-from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed
+from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
 from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, parse_members, parse_message
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.wire import BadMessage
@@ -232,6 +232,11 @@ def test_a_stranger_can_open_only_a_few_rounds(dhts) -> None:
         {"code": int(Code.JOIN), "round": "r" * 65, "shard": 0, "fingerprint": "x"},
         {"code": int(Code.JOIN), "round": "r", "shard": 0.5, "fingerprint": "x"},
         {"code": int(Code.LEADER), "round": "r", "leader": ""},
+        {"code": int(Code.JOIN), "round": "r", "shard": 0, "fingerprint": "x", "pace": -1},
+        {"code": int(Code.JOIN), "round": "r", "shard": 0, "fingerprint": "x"},  # no pace
+        {"code": int(Code.GROUP), "round": "r", "members": [["a", 0]], "pace": "6"},
+        {"code": int(Code.GROUP), "round": "r", "members": [["a", 0]], "pace": 1 << 30},
+        {"code": int(Code.GROUP), "round": "r", "members": [["a", 0]], "pace": True},
         {"code": int(Code.FETCH), "round": "r"},
         {"code": int(Code.STATUS), "round": "r", "status": 42, "detail": "", "ask": 0},
         {"code": int(Code.ACK), "round": "r", "kind": int(Code.JOIN), "index": 0},
@@ -282,3 +287,15 @@ def test_deadlines_follow_the_declared_and_the_measured_link(dhts) -> None:
             await p2p.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_link_meter_counts_overlapping_deliveries_once_per_round() -> None:
+    meter = LinkMeter()
+    assert meter.busy_per_round_s() == 0.0  # nothing measured: no wish
+    # round a: slices to two members at once (0-4 s and 1-5 s) and results (6-8 s); round b: 10-11 s
+    for start, end, round_id in [(0, 4, "a"), (1, 5, "a"), (6, 8, "a"), (6, 7.5, "a"), (10, 11, "b")]:
+        meter.record(start, end, round_id)
+    assert meter.busy_per_round_s() == pytest.approx((5 + 2 + 1) / 2)
+    for i in range(exchange_module.LINK_WINDOW):  # old deliveries leave the window
+        meter.record(20 + i, 20.5 + i, f"r{i}")
+    assert meter.busy_per_round_s() == pytest.approx(0.5)

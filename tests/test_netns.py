@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.netns import NetnsUnavailable, leftovers, netns_unavailable_reason, tcp_throughput, thin_network
+from tests.swarm_procs import end_group, records, run_cli, spawn, start_bootstrap
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,3 +62,48 @@ def test_a_reason_instead_of_a_network_when_namespaces_cannot_be_made(monkeypatc
     assert "not running as root" in netns.netns_unavailable_reason()
     with pytest.raises(NetnsUnavailable, match="not running as root"), thin_network(2, 8.0):
         pass
+
+
+# the smallest real run whose syncs fill a 2 Mbit/s link: a fragment's all-reduce sends about 0.3 MB
+# from each peer (1.1 s at 2 Mbit/s) while a step takes about 15 ms, so the configured slot every
+# 12 steps asks for ~6 times what the link carries
+THIN = ["--algo", "cocodc", "--model", "nano", "--tokenizer", "byte", "--seq-len", "32", "--batch-size", "4"]
+THIN += ["--workers", "3", "--steps", "288", "--inner-steps", "24", "--fragments", "2", "--overlap", "4"]
+THIN += ["--eval-every", "96", "--eval-batches", "2", "--threads", "1"]
+
+
+def test_three_peers_over_two_megabit_links_send_less_and_end_with_one_global_model(tmp_path: Path) -> None:
+    """Issue 8, part 3: a bootstrap and three peers, each peer behind its own 2 Mbit/s link, which
+    they do not declare (--bandwidth-mbps stays 50). The first rounds go at the configured pace;
+    then the peers ask for the pace their measured links keep up with, every peer takes the pace
+    each round agreed, and all finish (exit 0) with one θ̄, which `simulate --events` reproduces
+    from a peer's records."""
+    with thin_network(3, 2.0) as net:
+        boot = start_bootstrap(tmp_path, net.switch_address, net.prefix(net.switch))
+        peers = []
+        try:
+            for node in net.nodes:
+                i = node.index
+                args = ["join", "--bootstrap", boot.host_port, "--host", node.address, "--run-id", "thin"]
+                args += ["--shard", f"{i}/3", *THIN, "--out", f"peer{i}.jsonl"]
+                peers.append(spawn([*args, "--verbose"], tmp_path, f"peer{i}.log", net.prefix(node)))
+            codes = [peer.wait(timeout=300) for peer in peers]
+        finally:
+            for proc in [*peers, boot.proc]:
+                end_group(proc)
+    logs = "\n".join((tmp_path / f"peer{i}.log").read_text() for i in range(3))
+    assert codes == [0, 0, 0], logs[-6000:]
+    outs = [records(tmp_path / f"peer{i}.jsonl") for i in range(3)]
+    summaries = [out[-1] for out in outs]
+    assert len({s["global_params_sha256"] for s in summaries}) == 1, logs[-6000:]
+    # the configured slot every 24/2 = 12 steps was widened, identically on every peer
+    spacings = {s["send_spacing"] for s in summaries}
+    assert len(spacings) == 1 and spacings.pop() > 12, summaries
+    paces = [r["pace"] for r in outs[0] if r["kind"] == "round" and r["completed"]]
+    assert max(paces) > 12 and "the swarm now sends a fragment every" in logs, paces
+    replay = ["simulate", *THIN, "--events", "peer0.jsonl", "--out", "replay.jsonl"]
+    sim = run_cli(replay, tmp_path, timeout=180)
+    assert sim.returncode == 0, sim.stderr
+    assert (
+        records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == summaries[0]["global_params_sha256"]
+    )

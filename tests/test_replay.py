@@ -61,17 +61,28 @@ Rounds = dict[str, tuple[list[int], bool]]  # round id: members, completed
 Joins = Sequence[tuple[int, int]]  # (shard, step)
 
 
-def replay(tmp_path: Path, events: Rounds | None = None, joins: Joins = (), **options: object) -> Simulation:
-    """A simulation of OPTIONS (changed by ``options``) that replays these round records and these
-    (shard, step) join records, as a peer writes them."""
+def replay(
+    tmp_path: Path,
+    events: Rounds | None = None,
+    joins: Joins = (),
+    paces: dict[str, int] | None = None,
+    sim_class: type[Simulation] = Simulation,
+    **options: object,
+) -> Simulation:
+    """A simulation of OPTIONS (changed by ``options``) that replays these round records (with the
+    pace a round agreed, from ``paces``) and these (shard, step) join records, as a peer writes them."""
     options = {**OPTIONS, **options}
     if events is not None:
         path = tmp_path / "events.jsonl"
+        paces = paces or {}
         lines = [{"kind": "join", "shard": i, "step": s, "peer": f"peer{i}"} for i, s in joins]
-        lines += [{"kind": "round", "round": r, "members": m, "completed": c} for r, (m, c) in events.items()]
+        lines += [
+            {"kind": "round", "round": r, "members": m, "completed": c, "pace": paces.get(r, 0)}
+            for r, (m, c) in events.items()
+        ]
         path.write_text("".join(json.dumps(line) + "\n" for line in lines))
         options["events"] = str(path)
-    return Simulation(build_config({}, options))
+    return sim_class(build_config({}, options))
 
 
 def run(tmp_path: Path, events: Rounds | None = None, joins: Joins = (), **options: object) -> str:
@@ -99,6 +110,31 @@ def test_a_round_the_events_do_not_record_is_refused_with_one_line(tmp_path: Pat
     partial = {r: ([0, 1, 2], True) for r in rounds[1:]}
     with pytest.raises(UserError, match=f"no record of round {rounds[0]}"):
         run(tmp_path, partial)
+
+
+def test_a_pace_agreed_with_a_round_spaces_the_later_sends_and_a_joiner_keeps_it(tmp_path: Path) -> None:
+    """cocodc with H = 8, N = 4: a send slot every 2 steps. The round sent after step 2 (fragment 0,
+    applied after step 4, τ = 2) agreed on a pace of 6: from then on slots are every 6 steps, on
+    every replica, and a replica that joins later takes the spacing over with the shared state."""
+    options = {"algo": "cocodc", "transmissions": 4, "steps": 40}
+    all_rounds = {
+        f"f{p}:{step}": ([0, 1, 2], True) for p in range(2) for step in range(1, options["steps"] + 1)
+    }
+    paced = replay(tmp_path, all_rounds, paces={"f0:2": 6}, sim_class=RecordsRounds, **options)
+    RecordsRounds.rounds_seen = []
+    paced_hash = paced.run(RunLog(None))["global_params_sha256"]
+    sent_at = [int(r.split(":")[1]) for r in RecordsRounds.rounds_seen]
+    # applied after step 4 before step 4's sends (apply, send, apply): slot 4 is already paced
+    assert sent_at[0] == 2 and all(t % 6 == 0 for t in sent_at[1:]) and len(sent_at) > 4, sent_at
+    assert {s.schedule.spacing for s in paced._fragment_strategies().values()} == {6}
+    assert paced_hash != run(tmp_path, all_rounds, **options)  # sending less changes what is learnt
+    # the same replay with shard 2 joining after step 20 (from shared state): slots stay 6 apart
+    joins = [(0, 0), (1, 0), (2, 0), (2, 20)]
+    rejoined = replay(tmp_path, all_rounds, joins, paces={"f0:2": 6}, sim_class=RecordsRounds, **options)
+    RecordsRounds.rounds_seen = []
+    rejoined.run(RunLog(None))
+    assert [int(r.split(":")[1]) for r in RecordsRounds.rounds_seen] == sent_at
+    assert rejoined.workers[2].strategy.schedule.spacing == 6  # type: ignore[union-attr]
 
 
 # ---- replicas joining a run under way ----
@@ -203,6 +239,8 @@ def test_joins_that_cannot_be_replayed_are_refused_with_one_line(
         ('{"kind": "round", "round": "f0:8", "members": [1, 1], "completed": true}', "distinct shards"),
         ('{"kind": "round", "round": "f0:8", "members": [], "completed": true}', "distinct shards"),
         ('{"kind": "eval", "step": 8}', "no round records"),
+        ('{"kind": "round", "round": "f0:8", "members": [0], "completed": true, "pace": -1}', "'pace'"),
+        ('{"kind": "round", "round": "f0:8", "members": [0], "completed": true, "pace": "6"}', "'pace'"),
     ],
 )
 def test_malformed_events_are_refused_with_one_line(tmp_path: Path, line: str, message: str) -> None:

@@ -70,8 +70,8 @@ class Net:
                 self.outcomes[peer] = effect.outcome
                 self.settled_at[peer] = self.now
 
-    def start(self, peer: str, vector: torch.Tensor) -> None:
-        self.feed(peer, Start(STEP, vector))
+    def start(self, peer: str, vector: torch.Tensor, pace: int = 0) -> None:
+        self.feed(peer, Start(STEP, vector, pace))
         self.deliver()
 
     def deliver(self) -> None:
@@ -107,6 +107,21 @@ def test_three_peers_average_in_one_group_with_no_faults() -> None:
     assert all(isinstance(o, Completed) and o.by_butterfly for o in net.outcomes.values())
     assert all(torch.equal(o.average, full(4.0)) for o in net.outcomes.values())  # type: ignore[union-attr]
     assert max(net.settled_at.values()) < DL.form_by(0, 0)  # nobody waited for a deadline
+
+
+def test_the_group_takes_the_largest_pace_its_members_ask_for_and_so_does_a_late_fetcher() -> None:
+    # A leads; B's link asks for slots every 9 steps, A's for 4, C asks for nothing
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    net.start(A, full(1.0), pace=4)
+    net.start(B, full(2.0), pace=9)
+    net.run(30, net.settled(A, B))  # C has not reached the round: A forms without it at its deadline
+    net.start(C, full(3.0), pace=0)  # too late for the group: it fetches the average and its pace
+    net.run(60, net.settled(C))
+    outcomes = [net.outcomes[p] for p in (A, B, C)]
+    assert all(isinstance(o, Completed) and o.pace == 9 for o in outcomes), outcomes
+    assert outcomes[2].by_butterfly is False  # type: ignore[union-attr]
+    sent = [m for _, _, m in net.sent if m.code in (Code.GROUP, Code.PART, Code.RESULT, Code.AVERAGE)]
+    assert sent and all(m.pace == 9 for m in sent)  # type: ignore[attr-defined]
 
 
 def test_a_peer_that_led_alone_unseen_is_followed_not_split_from() -> None:

@@ -24,6 +24,7 @@ from tests.swarm_procs import (
     descendants,
     end_group,
     free_port,
+    records,
     run_cli,
     sigkill_like_a_crash,
     spawn,
@@ -45,10 +46,6 @@ TINY = [
     "fp32",
     "--quiet",
 ]
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def evals(path: Path) -> int:
