@@ -179,6 +179,13 @@ def test_a_paced_schedule_spaces_its_slots_never_below_h_over_n_and_keeps_the_sp
     assert [t for t in range(1, 40) if schedule.select(t, ())] == [6, 12, 18, 24, 30, 36]
     schedule.set_spacing(15)
     assert [t for t in range(1, 40) if schedule.select(t, ())] == [15, 30]
+    schedule.set_spacing(30)  # slots ≥ H apart: every slot finds a stale fragment, the stalest goes
+    sent = []
+    for t in range(30, 300, 30):
+        (p,) = schedule.select(t, ())
+        schedule.record_send(p, t)
+        sent.append(p)
+    assert sent == [0, 1, 2, 3, 0, 1, 2, 3, 0]
     schedule.set_spacing(2)  # narrower than ⌊H/N⌋: the configured N stays the most a run sends
     assert schedule.spacing == 6
     for bad in (0, -3, True, 2.5):

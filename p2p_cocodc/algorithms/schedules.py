@@ -68,8 +68,9 @@ class FixedSchedule:
 class AdaptiveSchedule:
     """CoCoDC's adaptive transmission, in the variant a peer-to-peer swarm can agree on silently.
 
-    One slot every h = ⌊H/N⌋ steps. At a slot, among fragments not in flight: the first fragment
-    not sent for ≥ H steps (staleness bound); else the first never-sent fragment; else the highest
+    One slot every h = ⌊H/N⌋ steps. At a slot, among fragments not in flight: the fragment sent
+    longest ago if it was not sent for ≥ H steps (staleness bound; ties: the first); else the first
+    never-sent fragment; else the highest
     drift score rms(last averaged Δ_p) · (steps since p's last send) / (length of p's last
     interval). The score uses only averaged results and send steps, identical on every peer.
 
@@ -93,9 +94,9 @@ class AdaptiveSchedule:
         free = [p for p in range(len(self.sent)) if p not in in_flight]
         if not free:
             return []
-        for p in free:
-            if step - self.last_send[p] >= self.inner_steps:
-                return [p]
+        stale = [p for p in free if step - self.last_send[p] >= self.inner_steps]
+        if stale:  # the one sent longest ago: a paced schedule (slots ≥ H apart) goes round them all
+            return [min(stale, key=lambda p: (self.last_send[p], p))]
         for p in free:
             if not self.sent[p]:
                 return [p]
