@@ -181,6 +181,7 @@ class Peer:
         self.versions = [0] * len(self.strategy.fragments) if isinstance(self.strategy, Strategy) else [0]
         self.pending: dict[int, asyncio.Task[torch.Tensor]] = {}
         self.failed_in_a_row = 0  # syncs that failed since the last one that completed
+        self.paced_before = False  # the swarm has sent less than configured, and this peer said so
         self.run_log: RunLog | None = None
         self.shard_index: int | None = opts.shard[0] if opts.shard else None
         self.exchange: FragmentExchange | None = None
@@ -445,8 +446,13 @@ class Peer:
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
         """Block until this peer can train, and settle its data shard: True when the run is under
-        way (it joins it), False once --workers peers of this run are live (it starts with them)."""
+        way (it joins it), False once --workers peers of this run are live (it starts with them).
+
+        A run counts as under way only once a training peer's step has moved while this peer
+        watched: right after a whole swarm was killed, the dead peers' records still say "training"
+        for a record lifetime, and a peer restarted (or resumed) then must not try to join them."""
         deadline = time.monotonic() + self.opts.wait_peers_s
+        first_step: dict[str, int] = {}  # peer -> the step its record showed when first read here
         while True:
             same = {p: r for p, r in self.view.items() if r.fingerprint == self.fingerprint}
             for peer, record in self.view.items():
@@ -457,8 +463,20 @@ class Peer:
                     )
             # our own record may be a stale one of this identity's previous process: not a peer;
             # a peer that resumed from its checkpoint of step C waits at C for the others to resume
-            training = [r for p, r in same.items() if r.state == "training" and p != self.peer_id]
-            if len(training) >= self.cfg.workers or any(r.step > max(r.resume_step, 0) for r in training):
+            training = {p: r for p, r in same.items() if r.state == "training" and p != self.peer_id}
+            moving = {p for p, r in training.items() if r.step > first_step.setdefault(p, r.step)}
+            if self.resume is not None:  # a killed swarm's records (past step 0, not resumed, still)
+                # lapse within a lifetime, or the restarted process overwrites them: wait them out
+                dead = {p for p, r in training.items() if r.step > 0 > r.resume_step and p not in moving}
+                same = {p: r for p, r in same.items() if p not in dead}
+                training = {p: r for p, r in training.items() if p not in dead}
+            past_start = any(r.step > max(r.resume_step, 0) for r in training.values())
+            if (len(training) >= self.cfg.workers or past_start) and not moving:
+                # under way, or the records of a dead swarm: which one shows within a lifetime
+                self._check_wait(stop, deadline, "no training peer moved in")
+                await asyncio.sleep(0.2)
+                continue
+            if len(training) >= self.cfg.workers or past_start:
                 if not isinstance(self.strategy, Strategy):
                     raise UserError(
                         f"run {self.opts.run_id!r} is under way, and a ddp run cannot take a peer in "
@@ -850,6 +868,22 @@ class Peer:
             sync = self.exchange.allreduce(fragment_round(p, step), payload, step, pace=self._pace_wish())
             self.pending[p] = asyncio.create_task(sync)
 
+    def _paced(self, was: int | None, round_id: str) -> None:
+        """Say that the swarm's pace changed: a warning the first time it sends less than asked."""
+        schedule = self.strategy.schedule  # type: ignore[union-attr] - only CoCoDC's is paced
+        now = schedule.spacing
+        first = not self.paced_before and now > schedule.base_spacing
+        self.paced_before |= first
+        log.log(
+            logging.WARNING if first else logging.INFO,
+            "the swarm now sends a fragment every %s steps (was %s): round %s agreed on the pace its "
+            "slowest link keeps up with%s",
+            now,
+            was,
+            round_id,
+            " (further changes are logged with --verbose)" if first else "",
+        )
+
     def _send_spacing(self) -> int | None:
         """Steps between send slots now (CoCoDC's paced schedule), None for the other algorithms."""
         schedule = getattr(self.strategy, "schedule", None)
@@ -899,13 +933,7 @@ class Peer:
             self.strategy.apply(p, averaged, step, spacing=self.exchange.groups[round_id].pace)
             self.versions[p] += 1
             if self._send_spacing() != was:
-                log.warning(
-                    "the swarm now sends a fragment every %s steps (was %s): round %s agreed on the pace "
-                    "its slowest link keeps up with",
-                    self._send_spacing(),
-                    was,
-                    round_id,
-                )
+                self._paced(was, round_id)
 
     def _record_round(self, round_id: str, completed: bool) -> None:
         """One record in --out for every sync this peer settles: the round's group (data shards, in

@@ -200,8 +200,10 @@ def test_a_paced_schedule_spaces_its_slots_never_below_h_over_n_and_keeps_the_sp
 
 
 def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> None:
-    # the link is busy 3 s per round, a step takes 0.25 s: with 25 % headroom, a slot every 15 steps
-    assert paced_spacing(6, 24, 3.0, 0.25, 1.25) == 15
+    # the link is busy 3 s per round, a step takes 0.25 s: with 25 % headroom, a slot every 15 steps,
+    # rounded up to a multiple of the configured 6
+    assert paced_spacing(6, 24, 3.0, 0.25, 1.25) == 18
+    assert paced_spacing(6, 24, 2.4, 0.25, 1.25) == 12  # exactly 12
     assert paced_spacing(6, 24, 0.1, 0.25, 1.25) == 6  # a fast link: the configured ⌊H/N⌋
     assert paced_spacing(6, 24, 600.0, 0.25, 1.25) == 4 * 24  # at most one slot every 4·H steps
     assert paced_spacing(6, 24, 0.0, 0.25, 1.25) == 6  # nothing measured yet

@@ -148,13 +148,14 @@ MAX_PACE_PERIODS = 4  # a paced schedule sends at least once every 4·H steps
 def paced_spacing(
     base: int, inner_steps: int, link_busy_s: float, step_time_s: float, headroom: float
 ) -> int:
-    """The send-slot spacing a peer asks for so that its link keeps up: h = ⌈headroom · T / s⌉, where
-    T is the time its link is busy per round (measured) and s its inner step time; never below
-    ``base`` (⌊H/N⌋), never above 4·H. This is CoCoDC's N = ⌊H·s/T⌋ (``--transmissions auto``) from
-    measurements taken while the run goes on, with h = H/N; headroom > 1 leaves part of the link to
-    the notice board and the protocol's small messages. With nothing measured yet (T or s ≤ 0) the
-    answer is ``base``."""
+    """The send-slot spacing a peer asks for so that its link keeps up: the least multiple of
+    ``base`` (⌊H/N⌋) at or above headroom · T / s, where T is the time its link is busy per round
+    (measured) and s its inner step time; at most 4·H. This is CoCoDC's N = ⌊H·s/T⌋
+    (``--transmissions auto``) from measurements taken while the run goes on, with h = H/N; headroom
+    > 1 leaves part of the link to the notice board and the protocol's small messages, and whole
+    multiples of ⌊H/N⌋ keep a noisy measurement from moving the slots by a step or two. With nothing
+    measured yet (T or s ≤ 0) the answer is ``base``."""
     if link_busy_s <= 0 or step_time_s <= 0:
         return base
-    wanted = math.ceil(headroom * link_busy_s / step_time_s - 1e-9)
+    wanted = base * math.ceil(headroom * link_busy_s / (step_time_s * base) - 1e-9)
     return max(base, min(wanted, MAX_PACE_PERIODS * inner_steps))
