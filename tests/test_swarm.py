@@ -146,10 +146,12 @@ def start_three_training(
 ) -> list[Path]:
     """Three cocodc peers on shards 0-2 (appended to ``peers`` as they start, so the caller ends
     them whatever happens), returned once each has written a few records: training is under way.
-    ``extra`` options may name the peer's index as {i}."""
+    ``extra`` options may name the peer's index as {i}. They keep the configured send pace (on this
+    loaded machine, slow acknowledgements can pace a run): the tests count the syncs done."""
     for i in range(3):
         args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", str(steps)]
         args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", run_id, "--verbose"]
+        args += ["--pace", "fixed"]
         args += [option.format(i=i) for option in extra]
         peers.append(spawn(args, tmp_path, f"peer{i}.log"))
     outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
@@ -226,7 +228,20 @@ def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: P
     like a joiner, on its old data shard. Every peer ends with one θ̄, and the simulator replays a
     founder's records (rounds and joins) to the same θ̄."""
     boot = start_bootstrap(tmp_path)
-    common = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "1200"]
+    # the configured pace: the founders must still be training when the crashed peer comes back,
+    # and a run paced by this loaded machine's slow acknowledgements can go twice as fast
+    common = [
+        "join",
+        "--bootstrap",
+        boot.maddr,
+        "--algo",
+        "cocodc",
+        *TINY,
+        "--steps",
+        "1000",
+        "--pace",
+        "fixed",
+    ]
     common += ["--max-peers", "4", "--run-id", "elastic", "--verbose"]
 
     def start(name: str, identity: str, *extra: str) -> subprocess.Popen:
@@ -250,6 +265,7 @@ def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: P
         wait_for(lambda: joined("joiner"), 120, "the joiner to take the swarm's state")
         peers["fifth"] = start("fifth", "fifth.id")
         assert peers["fifth"].wait(timeout=60) == 2
+        before_kill = {name: evals(tmp_path / f"{name}.jsonl") for name in ("peer0", "peer2")}
         sigkill_like_a_crash(peers["peer1"].pid)
         peers["peer1-again"] = start(
             "peer1-again", "peer1.id", "--checkpoint-dir", "ck1", "--checkpoint-every", "16", "--resume"
@@ -269,20 +285,25 @@ def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: P
     logs = "\n".join((tmp_path / f"{name}.log").read_text()[-4000:] for name in finishers)
     hashes = {name: s["global_params_sha256"] for name, s in summaries.items()}
     assert len(set(hashes.values())) == 1, (hashes, logs)
-    assert all(s["kind"] == "summary" and s["steps"] == 1200 for s in summaries.values())
+    assert all(s["kind"] == "summary" and s["steps"] == 1000 for s in summaries.values())
     assert summaries["joiner"]["joined_at"] > 0 and summaries["peer1-again"]["joined_at"] > 0
     assert summaries["joiner"]["shard"] == 3  # the one shard the founders left free
     assert sorted(s["shard"] for s in summaries.values()) == [0, 1, 2, 3]  # peer1 took its old one back
     assert summaries["peer0"]["rounds_failed"] <= 2, logs
     # the founders waited on the crashed peer at most as long as on a frozen one (its record's
-    # lifetime, then answer_s, for two rounds), on top of a healthy run's stall (about 8 s here)
-    assert all(summaries[n]["stall_s"] < 8 + 2 * (8 + 17) for n in ("peer0", "peer2")), summaries
+    # lifetime, then answer_s, for two rounds) beyond their stall before the kill, carried on at its
+    # rate (this loaded machine stalls a 4-peer run of these options by about 5-50 ms a step)
+    for name in ("peer0", "peer2"):
+        seen = [r for r in records(tmp_path / f"{name}.jsonl") if r["kind"] == "eval"][: before_kill[name]]
+        rate = seen[-1]["stall_s"] / max(seen[-1]["step"], 1)
+        crash_cost = summaries[name]["stall_s"] - seen[-1]["stall_s"] - rate * (1000 - seen[-1]["step"])
+        assert crash_cost < 2 * (8 + 17), (name, crash_cost, summaries)
     # the donors' training waited only to copy their state (a memcpy of θ̄ and the momentum)
     assert all(summaries[n]["state_copy_s"] < 1.0 for n in ("peer0", "peer2")), summaries
     # the joiner took part in rounds: its shard is among the members of later rounds
     members = [r["members"] for r in records(tmp_path / "peer0.jsonl") if r["kind"] == "round"]
     assert any(3 in m for m in members) and any(1 in m for m in members[-4:]), members
-    replay = ["simulate", "--algo", "cocodc", *TINY, "--steps", "1200", "--max-peers", "4"]
+    replay = ["simulate", "--algo", "cocodc", *TINY, "--steps", "1000", "--max-peers", "4"]
     sim = run_cli([*replay, "--events", "peer0.jsonl", "--out", "replay.jsonl"], tmp_path, timeout=180)
     assert sim.returncode == 0, sim.stderr
     assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == hashes["peer0"]
