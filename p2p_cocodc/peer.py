@@ -937,7 +937,8 @@ class Peer:
 
     def _record_round(self, round_id: str, completed: bool) -> None:
         """One record in --out for every sync this peer settles: the round's group (data shards, in
-        member order) and whether it completed. ``simulate --events`` replays them."""
+        member order), the pace it agreed on and whether it completed. ``simulate --events``
+        replays them."""
         assert self.exchange is not None
         group = self.exchange.groups.get(round_id) if completed else None
         members, pace = (list(group.shards), group.pace) if group is not None else ([], 0)
