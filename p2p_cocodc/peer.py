@@ -44,7 +44,6 @@ FAILING_STREAK = 3  # this many syncs of every fragment failing in a row: the sw
 FIRST_PUBLISH_S = 15.0  # a new peer's DHT may need a few seconds to know another node
 MAX_RESYNCS = 5  # a peer that had to take the swarm's state again this often stops
 DONORS = 3  # a joiner asks this many live peers for the state (at least 2 where there are)
-LINK_HEADROOM = 1.25  # a paced schedule keeps this peer's link busy at most 1/1.25 = 80 % of the time
 
 
 class Resync(Exception):
@@ -252,7 +251,7 @@ class Peer:
                 await self._take_state(board, stop)
             else:
                 self.state = "training"
-                await self._refresh(board)
+                await self._announce(board)
                 self._record_join(self.peer_id, self.joined_at)
                 await self._wait_for_start(stop)
                 self._rerun_in_flight()
@@ -265,10 +264,7 @@ class Peer:
                     await asyncio.wait({leave}, timeout=board.timeout)
                 leave.cancel()
             self.state = "done"
-            try:
-                await self._refresh(board)
-            except ConnectionError as exc:  # the summary is written; others see us expire instead
-                log.warning("could not announce 'done' on the board: %s", exc)
+            await self._announce(board)  # the summary is written; if it fails, others see us expire
             await self.exchange.stop()
             if self.state_server is not None:
                 await self.state_server.stop()
@@ -328,10 +324,16 @@ class Peer:
         self.state = "leaving"
         if self.exchange is not None:
             await self.exchange.say_bye()
+        await self._announce(board)
+
+    async def _announce(self, board: Board) -> None:
+        """Publish a change of this peer's state at once. A store the DHT does not take (a miss
+        under load, or a DHT that knows no other node yet) is not fatal here: the heartbeat
+        publishes the record again within a beat, and ends the peer if the DHT stays silent."""
         try:
             await self._refresh(board)
         except ConnectionError as exc:
-            log.warning("could not announce leaving on the board: %s", exc)
+            log.warning("could not announce %r on the board yet (%s); the heartbeat will", self.state, exc)
 
     def _record(self) -> PeerRecord:
         ex = self.exchange
@@ -596,7 +598,7 @@ class Peer:
         for task in self.pending.values():
             task.cancel()
         self.pending.clear()
-        await self._refresh(board)  # the others stop counting on us at once
+        await self._announce(board)  # the others stop counting on us at once
         deadline = time.monotonic() + self.opts.wait_peers_s
         while True:
             self._check_swarm()
@@ -648,7 +650,7 @@ class Peer:
         self.failed_in_a_row = 0
         if self.state_server is not None:
             self.state_server.serving = True
-        await self._refresh(board)
+        await self._announce(board)
         self._record_join(self.peer_id, self.joined_at)
         log.warning(
             "took the swarm's state at the end of step %d from %d donors (%s): %.1f MB in %.1f s; "
@@ -900,9 +902,7 @@ class Peer:
             return 0
         declared = 8.0 * self._round_bytes() / (self.cfg.bandwidth_mbps * 1e6)
         busy = self.exchange.link.busy_per_round_s() or declared
-        return paced_spacing(
-            schedule.base_spacing, self.cfg.inner_steps, busy, self.step_time_s, LINK_HEADROOM
-        )
+        return paced_spacing(schedule.base_spacing, self.cfg.inner_steps, busy, self.step_time_s)
 
     async def _apply_due(self, step: int, stop: asyncio.Event) -> None:
         assert isinstance(self.strategy, Strategy)

@@ -177,8 +177,10 @@ def test_adaptive_schedule_bounds_staleness_and_never_resends_in_flight() -> Non
 def test_a_paced_schedule_spaces_its_slots_never_below_h_over_n_and_keeps_the_spacing() -> None:
     schedule = AdaptiveSchedule(inner_steps=24, num_fragments=4, transmissions=4)  # a slot every 6
     assert [t for t in range(1, 40) if schedule.select(t, ())] == [6, 12, 18, 24, 30, 36]
+    assert schedule.overlap(4) == 4  # not paced: τ as configured
     schedule.set_spacing(15)
     assert [t for t in range(1, 40) if schedule.select(t, ())] == [15, 30]
+    assert schedule.overlap(4) == 12 and schedule.overlap(14) == 14  # ⌊15/1.25⌋, at least τ
     schedule.set_spacing(30)  # slots ≥ H apart: every slot finds a stale fragment, the stalest goes
     sent = []
     for t in range(30, 300, 30):
@@ -202,12 +204,12 @@ def test_a_paced_schedule_spaces_its_slots_never_below_h_over_n_and_keeps_the_sp
 def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> None:
     # the link is busy 3 s per round, a step takes 0.25 s: with 25 % headroom, a slot every 15 steps,
     # rounded up to a multiple of the configured 6
-    assert paced_spacing(6, 24, 3.0, 0.25, 1.25) == 18
-    assert paced_spacing(6, 24, 2.4, 0.25, 1.25) == 12  # exactly 12
-    assert paced_spacing(6, 24, 0.1, 0.25, 1.25) == 6  # a fast link: the configured ⌊H/N⌋
-    assert paced_spacing(6, 24, 600.0, 0.25, 1.25) == 4 * 24  # at most one slot every 4·H steps
-    assert paced_spacing(6, 24, 0.0, 0.25, 1.25) == 6  # nothing measured yet
-    assert paced_spacing(6, 24, 3.0, 0.0, 1.25) == 6
+    assert paced_spacing(6, 24, 3.0, 0.25) == 18
+    assert paced_spacing(6, 24, 2.4, 0.25) == 12  # exactly 12
+    assert paced_spacing(6, 24, 0.1, 0.25) == 6  # a fast link: the configured ⌊H/N⌋
+    assert paced_spacing(6, 24, 600.0, 0.25) == 4 * 24  # at most one slot every 4·H steps
+    assert paced_spacing(6, 24, 0.0, 0.25) == 6  # nothing measured yet
+    assert paced_spacing(6, 24, 3.0, 0.0) == 6
 
 
 def test_adaptive_schedule_picks_highest_drift() -> None:

@@ -14,6 +14,9 @@ import torch
 
 from p2p_cocodc.algorithms.state import expect_list
 
+MAX_PACE_PERIODS = 4  # a paced schedule sends at least once every 4·H steps
+PACE_HEADROOM = 1.25  # a paced schedule keeps a link busy at most 1/1.25 = 80 % of the time
+
 
 class Schedule(Protocol):
     def select(self, step: int, in_flight: Collection[int]) -> list[int]: ...
@@ -23,6 +26,8 @@ class Schedule(Protocol):
     def record_result(self, fragment: int, delta: torch.Tensor) -> None: ...
 
     def set_spacing(self, spacing: int) -> None: ...
+
+    def overlap(self, configured: int) -> int: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -55,6 +60,10 @@ class FixedSchedule:
 
     def set_spacing(self, spacing: int) -> None:
         raise ValueError("a fixed timetable cannot be paced: only CoCoDC's adaptive schedule can")
+
+    def overlap(self, configured: int) -> int:
+        """τ as configured: a fixed timetable is never paced."""
+        return configured
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing: the timetable is a function of the step and the settings."""
@@ -121,6 +130,13 @@ class AdaptiveSchedule:
             raise ValueError(f"a send-slot spacing must be an int ≥ 1, got {spacing!r}")
         self.spacing = max(spacing, self.base_spacing)
 
+    def overlap(self, configured: int) -> int:
+        """τ of a sync sent now. Paced (h > ⌊H/N⌋), a sync gets the link time its pace was asked for:
+        τ' = max(τ, ⌊h / 1.25⌋) steps, less than h, so one sync lands before the next is sent."""
+        if self.spacing == self.base_spacing:
+            return configured
+        return max(configured, math.floor(self.spacing / PACE_HEADROOM))
+
     def state_dict(self) -> dict[str, Any]:
         """The slot spacing; send steps, sent flags and drift estimates per fragment (plain Python
         values)."""
@@ -142,20 +158,15 @@ class AdaptiveSchedule:
         self.last_rms = expect_list(state["last_rms"], k, float, "last_rms")
 
 
-MAX_PACE_PERIODS = 4  # a paced schedule sends at least once every 4·H steps
-
-
-def paced_spacing(
-    base: int, inner_steps: int, link_busy_s: float, step_time_s: float, headroom: float
-) -> int:
+def paced_spacing(base: int, inner_steps: int, link_busy_s: float, step_time_s: float) -> int:
     """The send-slot spacing a peer asks for so that its link keeps up: the least multiple of
-    ``base`` (⌊H/N⌋) at or above headroom · T / s, where T is the time its link is busy per round
+    ``base`` (⌊H/N⌋) at or above 1.25 · T / s, where T is the time its link is busy per round
     (measured) and s its inner step time; at most 4·H. This is CoCoDC's N = ⌊H·s/T⌋
-    (``--transmissions auto``) from measurements taken while the run goes on, with h = H/N; headroom
-    > 1 leaves part of the link to the notice board and the protocol's small messages, and whole
+    (``--transmissions auto``) from measurements taken while the run goes on, with h = H/N; the
+    headroom leaves a fifth of the link to the notice board and the protocol's small messages, and whole
     multiples of ⌊H/N⌋ keep a noisy measurement from moving the slots by a step or two. With nothing
     measured yet (T or s ≤ 0) the answer is ``base``."""
     if link_busy_s <= 0 or step_time_s <= 0:
         return base
-    wanted = base * math.ceil(headroom * link_busy_s / (step_time_s * base) - 1e-9)
+    wanted = base * math.ceil(PACE_HEADROOM * link_busy_s / (step_time_s * base) - 1e-9)
     return max(base, min(wanted, MAX_PACE_PERIODS * inner_steps))

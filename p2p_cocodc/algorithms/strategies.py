@@ -120,7 +120,7 @@ class Strategy:
         if p in self.in_flight:
             raise RuntimeError(f"fragment {p} is already in flight")
         snapshot = self.fragments[p].read()
-        self.in_flight[p] = PendingSync(snapshot, step, step + self.overlap)
+        self.in_flight[p] = PendingSync(snapshot, step, step + self.schedule.overlap(self.overlap))
         self.schedule.record_send(p, step)
         return self.outer[p].global_params - snapshot
 
