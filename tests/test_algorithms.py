@@ -190,6 +190,8 @@ def test_a_paced_schedule_spaces_its_slots_never_below_h_over_n_and_keeps_the_sp
     assert sent == [0, 1, 2, 3, 0, 1, 2, 3, 0]
     schedule.set_spacing(2)  # narrower than ⌊H/N⌋: the configured N stays the most a run sends
     assert schedule.spacing == 6
+    schedule.set_spacing(1 << 24)  # what a hostile peer may ask: at most one slot every 4·H steps
+    assert schedule.spacing == 4 * 24
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="spacing"):
             schedule.set_spacing(bad)  # type: ignore[arg-type]

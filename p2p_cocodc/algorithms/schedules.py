@@ -125,10 +125,11 @@ class AdaptiveSchedule:
         self.last_rms[fragment] = math.sqrt(float(delta.double().square().sum()) / delta.numel())
 
     def set_spacing(self, spacing: int) -> None:
-        """Send slots every ``max(spacing, ⌊H/N⌋)`` steps from now on (slots are the multiples of it)."""
+        """Send slots every ``spacing`` steps from now on (slots are the multiples of it), kept within
+        [⌊H/N⌋, 4·H]: a pace asked for by a faulty or hostile peer can slow a swarm no further."""
         if not isinstance(spacing, int) or isinstance(spacing, bool) or spacing < 1:
             raise ValueError(f"a send-slot spacing must be an int ≥ 1, got {spacing!r}")
-        self.spacing = max(spacing, self.base_spacing)
+        self.spacing = min(max(spacing, self.base_spacing), MAX_PACE_PERIODS * self.inner_steps)
 
     def overlap(self, configured: int) -> int:
         """τ of a sync sent now. Paced (h > ⌊H/N⌋), a sync gets the link time its pace was asked for:
