@@ -900,8 +900,8 @@ class Peer:
         schedule = self.strategy.schedule
         if not isinstance(schedule, AdaptiveSchedule) or self.opts.pace == "fixed":
             return 0
-        declared = 8.0 * self._round_bytes() / (self.cfg.bandwidth_mbps * 1e6)
-        busy = self.exchange.link.busy_per_round_s() or declared
+        measured = self.exchange.link.busy_per_round_s()
+        busy = measured or 8.0 * self.exchange.round_bytes / (self.cfg.bandwidth_mbps * 1e6)
         return paced_spacing(schedule.base_spacing, self.cfg.inner_steps, busy, self.step_time_s)
 
     async def _apply_due(self, step: int, stop: asyncio.Event) -> None:
