@@ -7,13 +7,14 @@ Values given on the command line override the file; everything is validated befo
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.names import ALGORITHMS, CODEC_NAMES, DC_RULES, TOKENIZERS
+from p2p_cocodc.names import ALGORITHMS, CODEC_NAMES, DC_RULES, PRECISIONS, TOKENIZERS
 
 if TYPE_CHECKING:  # the settings classes live with torch code: imported when first built, not for --help
     from p2p_cocodc.algorithms.inner import InnerSettings
@@ -100,6 +101,16 @@ class TrainConfig:
     out: str | None = _opt(None, "write JSON-lines records here", computes=False)
     save: str | None = _opt(None, "write the final global parameters θ̄ here (safetensors)", computes=False)
     threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)", computes=False)
+    # where the replica computes (a region's own choice: peers on different hardware train together)
+    device: str = _opt(
+        "auto",
+        "device of the replica's inner training: auto (the first CUDA device if any, else the CPU), cpu, "
+        "cuda, cuda:N, mps; θ̄ and the outer step stay on the CPU",
+        computes=False,
+    )
+    precision: str = _opt(
+        "fp32", "inner forward/backward precision (bf16: autocast; weights and AdamW stay fp32)", PRECISIONS
+    )
     # replay (simulate only)
     events: str | None = _opt(
         None,
@@ -172,6 +183,8 @@ class TrainConfig:
                 f"--fragments {self.fragments} must be ≤ --inner-steps {self.inner_steps} for cocodc "
                 "(--transmissions defaults to --fragments)"
             )
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise UserError(f"--device {self.device!r}: use auto, cpu, cuda, cuda:N or mps")
         if self.data is not None and not Path(self.data).exists():
             raise UserError(f"--data {self.data}: no such file or folder")
         self.algo_settings(

@@ -26,9 +26,10 @@ import torch
 
 from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, paced_spacing
 from p2p_cocodc.algorithms.state import expect_list, expect_tensor
-from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy
+from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, PreparedResult, Strategy
 from p2p_cocodc.checkpoint import Checkpoint, CheckpointWriter, committed, read_checkpoint
 from p2p_cocodc.config import TrainConfig
+from p2p_cocodc.devices import HostCopy
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import RunLog
 from p2p_cocodc.swarm.dht import check_identity, p2pd_socket, parse_bootstrap, start_dht, stop_dht
@@ -168,7 +169,7 @@ class Peer:
         self.settings = self.setup.settings(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6, step_time)
         self.fingerprint = fingerprint(self.setup, self.settings)
         self.trainer, self.strategy = self.setup.replica(self.settings)
-        self.eval_model = copy.deepcopy(self.setup.base)
+        self.eval_model = self.setup.eval_model()
         self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
         self.view: dict[str, PeerRecord] = {}
         self.last_seen: dict[str, float] = {}  # peer id -> when its record was last read
@@ -178,7 +179,7 @@ class Peer:
         self.stall_s = 0.0
         self.eval_s = 0.0  # evaluation time, kept out of the training throughput
         self.versions = [0] * len(self.strategy.fragments) if isinstance(self.strategy, Strategy) else [0]
-        self.pending: dict[int, asyncio.Task[torch.Tensor]] = {}
+        self.pending: dict[int, asyncio.Task[PreparedResult]] = {}
         self.failed_in_a_row = 0  # syncs that failed since the last one that completed
         self.paced_before = False  # the swarm has sent less than configured, and this peer said so
         self.run_log: RunLog | None = None
@@ -557,10 +558,8 @@ class Peer:
         if not isinstance(self.strategy, Strategy):
             return
         for p, sync in self.strategy.in_flight.items():
-            vector = self.strategy.outer[p].global_params - sync.snapshot
-            round_id = fragment_round(p, sync.sent_step)
-            task = self.exchange.allreduce(round_id, vector, sync.sent_step, pace=self._pace_wish())
-            self.pending[p] = asyncio.create_task(task)
+            vector = self.strategy.outer_gradient(p, sync.snapshot.cpu())
+            self.pending[p] = asyncio.create_task(self._fetch(p, sync.sent_step, vector, take_part=True))
 
     async def _write_checkpoint(self) -> None:
         assert self.checkpoints is not None
@@ -642,9 +641,7 @@ class Peer:
         self.step = self.joined_at = pulled.step
         for p, sync in self.strategy.in_flight.items():
             size = torch.zeros_like(self.strategy.outer[p].global_params)
-            round_id = fragment_round(p, sync.sent_step)
-            fetch = self.exchange.allreduce(round_id, size, sync.sent_step, take_part=False)
-            self.pending[p] = asyncio.create_task(fetch)
+            self.pending[p] = asyncio.create_task(self._fetch(p, sync.sent_step, size, take_part=False))
         self.state = "training"
         self.exchange.set_joining(False)
         self.failed_in_a_row = 0
@@ -864,11 +861,36 @@ class Peer:
         return loss
 
     def _send(self, step: int) -> None:
-        assert isinstance(self.strategy, Strategy) and self.exchange is not None
+        """Start the syncs the schedule asks for after ``step``. The training thread only takes the
+        snapshots (on the device); their copies to the host, the outer gradients, the exchange and
+        the outer step the result leads to run in the sync's task (``_sync``)."""
+        assert isinstance(self.strategy, Strategy)
         for p in self.strategy.sends_after(step):
-            payload = self.strategy.payload(p, step)
-            sync = self.exchange.allreduce(fragment_round(p, step), payload, step, pace=self._pace_wish())
-            self.pending[p] = asyncio.create_task(sync)
+            snapshot = self.setup.placement.to_host(self.strategy.send(p, step))
+            self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, self._pace_wish()))
+
+    async def _sync(self, p: int, step: int, snapshot: HostCopy, pace: int) -> PreparedResult:
+        """One fragment sync, off the training thread: Δ_p = θ̄_p − θ_p from the snapshot's host
+        copy, the round, then the result prepared for ``Strategy.apply`` (the outer step on the
+        CPU, the new θ̄_p copied to the device) so that applying it between two steps costs only
+        the merge."""
+        assert isinstance(self.strategy, Strategy) and self.exchange is not None
+        strategy = self.strategy
+        payload = strategy.outer_gradient(p, await snapshot.ready())
+        averaged = await self.exchange.allreduce(fragment_round(p, step), payload, step, pace=pace)
+        return await asyncio.to_thread(strategy.prepare, p, averaged)
+
+    async def _fetch(self, p: int, sent_step: int, vector: torch.Tensor, take_part: bool) -> PreparedResult:
+        """A sync in flight this peer did not start here (after taking the state, or resuming):
+        run it with ``vector`` (``take_part``) or only fetch its average, then prepare the result."""
+        assert isinstance(self.strategy, Strategy) and self.exchange is not None
+        strategy = self.strategy
+        round_id = fragment_round(p, sent_step)
+        if take_part:
+            averaged = await self.exchange.allreduce(round_id, vector, sent_step, pace=self._pace_wish())
+        else:
+            averaged = await self.exchange.allreduce(round_id, vector, sent_step, take_part=False)
+        return await asyncio.to_thread(strategy.prepare, p, averaged)
 
     def _paced(self, was: int | None, round_id: str) -> None:
         """Say that the swarm's pace changed: a warning the first time it sends less than asked."""
@@ -922,7 +944,7 @@ class Peer:
             del self.pending[p]
             round_id = fragment_round(p, self.strategy.in_flight[p].sent_step)
             try:
-                averaged = task.result()
+                prepared = task.result()
             except RoundFailed as exc:
                 self._sync_failed(p, step, exc)
                 self._record_round(round_id, completed=False)
@@ -930,7 +952,7 @@ class Peer:
             self.failed_in_a_row = 0
             self._record_round(round_id, completed=True)
             was = self._send_spacing()
-            self.strategy.apply(p, averaged, step, spacing=self.exchange.groups[round_id].pace)
+            self.strategy.apply(p, prepared, step, spacing=self.exchange.groups[round_id].pace)
             self.versions[p] += 1
             if self._send_spacing() != was:
                 self._paced(was, round_id)

@@ -101,7 +101,7 @@ class Simulation:
             )
         # by data shard, in shard order; a shard that has not joined (yet) has no replica
         self.workers: dict[int, Worker] = {i: self._fresh_worker(i) for i in joins.get(0, range(cfg.workers))}
-        self.eval_model = copy.deepcopy(setup.base)
+        self.eval_model = setup.eval_model()
         self.step = 0  # inner steps done
         self.clock = 0.0
         self.stall = 0.0

@@ -17,22 +17,26 @@ import torch
 from torch import nn
 
 from p2p_cocodc.algorithms.fragments import make_fragments
-from p2p_cocodc.algorithms.inner import InnerSettings, InnerTrainer, evaluate
+from p2p_cocodc.algorithms.inner import InnerTrainer, evaluate
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
 from p2p_cocodc.checkpoint import save_global
 from p2p_cocodc.codecs import Codec, get_codec
 from p2p_cocodc.config import AUTO, TrainConfig
 from p2p_cocodc.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
+from p2p_cocodc.devices import Placement
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import params_sha256, perplexity
 from p2p_cocodc.model import build_model, count_parameters
 
 
 class TrainingSetup:
-    """Tokenized data, the initial model (seeded), optimizer settings, codec, validation batches."""
+    """Tokenized data, the initial model (seeded, on the CPU), optimizer settings, codec, validation
+    batches, and where replicas compute (``placement``: --device and --precision, or the device a
+    region's process was given)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, placement: Placement | None = None) -> None:
         self.cfg = cfg
+        self.placement = placement or Placement.from_options(cfg.device, cfg.precision)
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         corpus = load_corpus(cfg.data)
@@ -59,9 +63,15 @@ class TrainingSetup:
         return Shard(self.tokens.train, self.cfg.seq_len, self.cfg.batch_size, index, count, self.cfg.seed)
 
     def replica(self, settings: AlgoSettings) -> tuple[InnerTrainer, Strategy | DataParallel]:
-        """A fresh copy of the initial model with its inner optimizer and strategy."""
-        model = copy.deepcopy(self.base)
-        return InnerTrainer(model, self.inner), make_strategy(model, settings, self.inner.decay_between)
+        """A fresh copy of the initial model on the replica's device, with its inner optimizer and
+        strategy."""
+        model = copy.deepcopy(self.base).to(self.placement.device)
+        strategy = make_strategy(model, settings, self.inner.decay_between, self.placement)
+        return InnerTrainer(model, self.inner, self.placement), strategy
+
+    def eval_model(self) -> nn.Module:
+        """A copy of the model on the replica's device, that evaluations load θ̄ into."""
+        return copy.deepcopy(self.base).to(self.placement.device)
 
     def needs_step_time(self) -> bool:
         return AUTO in (self.cfg.overlap, self.cfg.transmissions)
@@ -70,7 +80,8 @@ class TrainingSetup:
         """The configured seconds per inner step, or a measurement on a throwaway copy."""
         if self.cfg.step_time is not None:
             return self.cfg.step_time
-        return measure_step_time(self.base, self.shard(0, self.cfg.data_shards), self.inner)
+        trainer = InnerTrainer(self.eval_model(), self.inner, self.placement)
+        return measure_step_time(trainer, self.shard(0, self.cfg.data_shards))
 
     def settings(self, latency_s: float, bandwidth_bps: float, step_time: float | None) -> AlgoSettings:
         """The core's settings, with --overlap auto / --transmissions auto turned into numbers
@@ -105,7 +116,7 @@ class TrainingSetup:
     ) -> dict[str, Any]:
         """Validation loss of θ̄ (loaded into ``model``): the fields every eval record shares."""
         model.load_state_dict(global_state)
-        loss = evaluate(model, self.val_batches)
+        loss = evaluate(model, self.val_batches, self.placement)
         return {
             "kind": "eval",
             "step": step,
@@ -149,9 +160,8 @@ def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:
     return math.ceil(2 * (replicas - 1) * codec.wire_bytes(numel) / replicas)
 
 
-def measure_step_time(model: nn.Module, shard: Shard, inner: InnerSettings, repeats: int = 3) -> float:
-    """Median seconds of one inner step, timed on a throwaway copy so training state is untouched."""
-    trainer = InnerTrainer(copy.deepcopy(model), inner)
+def measure_step_time(trainer: InnerTrainer, shard: Shard, repeats: int = 3) -> float:
+    """Median seconds of one inner step of a throwaway trainer (a replica's is left untouched)."""
     trainer.step(*shard.batch(0), 1)  # warm-up: allocations, kernels
     times = []
     for i in range(repeats):

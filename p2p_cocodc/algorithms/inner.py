@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2p_cocodc.algorithms.state import expect_tensor
+from p2p_cocodc.devices import Placement
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,16 @@ class InnerSettings:
 
 
 class InnerTrainer:
-    """One replica's model and AdamW. ``backward`` and ``update`` are split so DDP can average grads."""
+    """One replica's model and AdamW on ``placement``'s device; forward/backward in its precision
+    (parameters and AdamW stay fp32). ``backward`` and ``update`` are split so DDP can average
+    grads. ``forward`` is the module the inner steps call: the model, or a wrapper of it (a region
+    of several processes wraps it in torch's DistributedDataParallel)."""
 
-    def __init__(self, model: nn.Module, settings: InnerSettings) -> None:
+    def __init__(self, model: nn.Module, settings: InnerSettings, placement: Placement | None = None) -> None:
         self.model = model
+        self.forward: nn.Module = model
         self.settings = settings
+        self.placement = placement or Placement()
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=settings.lr,
@@ -56,8 +62,10 @@ class InnerTrainer:
     def backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        logits = self.model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        x, y = self.placement.batch(x, y)
+        with self.placement.autocast():
+            logits = self.forward(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         loss.backward()
         return float(loss.detach())
 
@@ -104,11 +112,16 @@ class InnerTrainer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean cross-entropy over fixed validation batches."""
+def evaluate(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], placement: Placement | None = None
+) -> float:
+    """Mean cross-entropy over fixed validation batches, on ``placement``'s device and precision."""
+    placement = placement or Placement()
     model.eval()
     total = 0.0
     for x, y in batches:
-        logits = model(x)
-        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+        x, y = placement.batch(x, y)
+        with placement.autocast():
+            logits = model(x)
+            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)))
     return total / len(batches)

@@ -1,7 +1,7 @@
 """The outer optimizer of one fragment: SGD with Nesterov momentum over the averaged outer gradient.
 
-State (θ̄ and the momentum buffer) is fp32 whatever the model trains in. Every peer runs the same
-float ops on the same averaged Δ, so every peer holds a bit-identical θ̄ after each sync.
+State (θ̄ and the momentum buffer) is fp32 on the CPU whatever and wherever the model trains. Every
+peer runs the same float ops on the same averaged Δ, so every peer holds a bit-identical θ̄ after each sync.
 """
 
 from __future__ import annotations
@@ -23,24 +23,42 @@ class OuterSettings:
     momentum_clip: float | None = None  # CO2's outer-momentum clipping φ: buffer clamped to ±φ
 
 
+@dataclass(frozen=True)
+class OuterStep:
+    """θ̄ and the momentum buffer after one outer step (``OuterOptimizer.peek``)."""
+
+    global_params: torch.Tensor
+    momentum: torch.Tensor
+
+
 class OuterOptimizer:
     """θ̄ ← θ̄ − η(Δ + μb) with b ← μb + Δ (torch SGD nesterov semantics); Δ = θ̄ − mean θ."""
 
     def __init__(self, initial: torch.Tensor, settings: OuterSettings) -> None:
         self.settings = settings
-        self.global_params = initial.detach().float().clone()
+        self.global_params = initial.detach().to("cpu", torch.float32, copy=True)
         self.momentum = torch.zeros_like(self.global_params)
 
     def step(self, delta: torch.Tensor) -> torch.Tensor:
         """Apply one averaged outer gradient; returns θ̄ (the new global fragment)."""
+        self.take(self.peek(delta))
+        return self.global_params
+
+    def peek(self, delta: torch.Tensor) -> OuterStep:
+        """The θ̄ and momentum buffer one outer step with ``delta`` leads to, as new tensors; this
+        optimizer is unchanged (a driver may compute them early, off its training thread, and
+        ``take`` them when the result is due). The same float ops as in-place: the same bits."""
         s = self.settings
         grad = delta.float() / s.gap_penalty if s.gap_penalty != 1.0 else delta.float()
-        self.momentum.mul_(s.momentum).add_(grad)
+        momentum = self.momentum.mul(s.momentum).add_(grad)
         if s.momentum_clip is not None:
-            self.momentum.clamp_(-s.momentum_clip, s.momentum_clip)
-        update = grad.add(self.momentum, alpha=s.momentum) if s.nesterov else self.momentum
-        self.global_params.sub_(update, alpha=s.lr)
-        return self.global_params
+            momentum.clamp_(-s.momentum_clip, s.momentum_clip)
+        update = grad.add(momentum, alpha=s.momentum) if s.nesterov else momentum
+        return OuterStep(self.global_params.sub(update, alpha=s.lr), momentum)
+
+    def take(self, step: OuterStep) -> None:
+        """Make a ``peek`` of this optimizer's current state the state."""
+        self.global_params, self.momentum = step.global_params, step.momentum
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """θ̄ and the momentum buffer: the live fp32 tensors, not copies (a writer copies them)."""

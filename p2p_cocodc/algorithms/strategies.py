@@ -22,9 +22,10 @@ from torch import nn
 
 from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_per_tensor
 from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
-from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
+from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings, OuterStep
 from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, Schedule
 from p2p_cocodc.algorithms.state import expect_tensor
+from p2p_cocodc.devices import DeviceCopy, Placement
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import ALGORITHMS, DC_RULES
 
@@ -87,15 +88,29 @@ class AlgoSettings:
 
 @dataclass
 class PendingSync:
-    """What a replica keeps for a fragment between its send and the arrival of the result."""
+    """What a replica keeps for a fragment between its send and the arrival of the result: θ_p at
+    the send (on the replica's device), and when it was sent and is due."""
 
     snapshot: torch.Tensor
     sent_step: int
     due_step: int
 
 
+@dataclass
+class PreparedResult:
+    """An averaged Δ_p turned early into the outer step it leads to (computed on the CPU, θ̄
+    unchanged), with the new θ̄_p already on its way to the replica's device."""
+
+    averaged: torch.Tensor
+    outer: OuterStep
+    on_device: DeviceCopy
+    base: torch.Tensor  # the θ̄_p it was computed from: stale if θ̄_p changed since
+
+
 class Strategy:
-    """One replica's DiLoCo-family state: θ̄ and outer momentum per fragment, syncs in flight."""
+    """One replica's DiLoCo-family state: θ̄ and outer momentum per fragment (fp32, on the CPU:
+    ``devices.py``), syncs in flight. The replica may live on any device; ``placement`` moves
+    fragments between it and the host."""
 
     def __init__(
         self,
@@ -104,11 +119,13 @@ class Strategy:
         schedule: Schedule,
         overlap: int,
         outer: OuterSettings,
+        placement: Placement | None = None,
     ) -> None:
         self.model = model
         self.fragments = fragments
         self.schedule = schedule
         self.overlap = overlap
+        self.placement = placement or Placement()
         self.outer = [OuterOptimizer(f.read(), outer) for f in fragments]
         self.in_flight: dict[int, PendingSync] = {}
 
@@ -116,12 +133,24 @@ class Strategy:
         return self.schedule.select(step, self.in_flight.keys())
 
     def payload(self, p: int, step: int) -> torch.Tensor:
-        """Snapshot fragment p and return this replica's outer gradient Δ = θ̄_p − θ_p."""
+        """Snapshot fragment p and return this replica's outer gradient Δ = θ̄_p − θ_p (waiting for
+        the snapshot's copy to the host: a driver that must not wait uses ``send`` and
+        ``outer_gradient``)."""
+        return self.outer_gradient(p, self.placement.to_host(self.send(p, step)).wait())
+
+    def send(self, p: int, step: int) -> torch.Tensor:
+        """Record the sync of fragment p sent after ``step``; returns θ_p's snapshot (a new fp32
+        tensor on the replica's device)."""
         if p in self.in_flight:
             raise RuntimeError(f"fragment {p} is already in flight")
         snapshot = self.fragments[p].read()
         self.in_flight[p] = PendingSync(snapshot, step, step + self.schedule.overlap(self.overlap))
         self.schedule.record_send(p, step)
+        return snapshot
+
+    def outer_gradient(self, p: int, snapshot: torch.Tensor) -> torch.Tensor:
+        """Δ_p = θ̄_p − θ_p on the CPU, from a host copy of the snapshot ``send`` returned (θ̄_p does
+        not move while p is in flight, so this may run after the send)."""
         return self.outer[p].global_params - snapshot
 
     def due(self, step: int) -> list[int]:
@@ -129,15 +158,29 @@ class Strategy:
         ready = [(s.due_step, p) for p, s in self.in_flight.items() if s.due_step <= step]
         return [p for _, p in sorted(ready)]
 
-    def apply(self, p: int, averaged: torch.Tensor, step: int, spacing: int = 0) -> None:
-        """Outer step on θ̄_p with the averaged Δ_p, then fold the new global into the replica.
-        ``spacing`` > 0: the send-slot spacing agreed with this result (a swarm's pace), taken by
-        the schedule from the next slot on."""
+    def prepare(self, p: int, averaged: torch.Tensor) -> PreparedResult:
+        """The outer step an averaged Δ_p leads to, computed now without changing θ̄, and the new
+        θ̄_p's copy to the device started: what ``apply`` does first, for a driver that gets the
+        result before it is due and must not spend the training thread's time on it."""
+        outer = self.outer[p]
+        step = outer.peek(averaged)
+        on_device = self.placement.to_device(step.global_params)
+        return PreparedResult(averaged, step, on_device, outer.global_params)
+
+    def apply(self, p: int, averaged: torch.Tensor | PreparedResult, step: int, spacing: int = 0) -> None:
+        """Outer step on θ̄_p with the averaged Δ_p (or the step ``prepare`` computed from it), then
+        fold the new global into the replica, on its device. ``spacing`` > 0: the send-slot
+        spacing agreed with this result (a swarm's pace), taken by the schedule from the next slot
+        on."""
+        if not isinstance(averaged, PreparedResult):
+            averaged = self.prepare(p, averaged)
+        elif averaged.base is not self.outer[p].global_params:  # θ̄_p changed since: prepare it again
+            averaged = self.prepare(p, averaged.averaged)
         pending = self.in_flight.pop(p)
-        new_global = self.outer[p].step(averaged)
+        self.outer[p].take(averaged.outer)
         fragment = self.fragments[p]
-        fragment.write(self.merge(fragment, new_global, pending, step))
-        self.schedule.record_result(p, averaged)
+        fragment.write(self.merge(fragment, averaged.on_device.get(), pending, step))
+        self.schedule.record_result(p, averaged.averaged)
         if spacing:
             self.schedule.set_spacing(spacing)
 
@@ -154,13 +197,13 @@ class Strategy:
         return new_global
 
     def global_state(self) -> dict[str, torch.Tensor]:
-        """θ̄ as a state dict (model order), for evaluation and the run's fingerprint."""
+        """θ̄ as a state dict (model order) on the CPU, for evaluation and the run's fingerprint."""
         values: dict[str, torch.Tensor] = {}
         for fragment, outer in zip(self.fragments, self.outer, strict=True):
             chunks = fragment.per_tensor(outer.global_params)
             for name, param, chunk in zip(fragment.names, fragment.params, chunks, strict=True):
                 values[name] = chunk.view_as(param)
-        return {k: values.get(k, v) for k, v in self.model.state_dict().items()}
+        return {k: values[k] if k in values else v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this object adds to the replica, to resume bit-exactly: ``shared_state()``
@@ -192,7 +235,10 @@ class Strategy:
 
         def saved_snapshot(p: int, sync: dict[str, Any]) -> torch.Tensor:
             like = self.outer[p].global_params
-            return expect_tensor(sync["snapshot"], like, f"snapshot of fragment {p}").clone()
+            value = sync["snapshot"]
+            value = value.cpu() if isinstance(value, torch.Tensor) else value
+            saved = expect_tensor(value, like, f"snapshot of fragment {p}")
+            return saved.to(self.placement.device, copy=True)
 
         self._load_shared(state, saved_snapshot)
 
@@ -207,7 +253,9 @@ class Strategy:
         optimizer is not part of it: the caller builds this strategy on a fresh replica. Everything
         taken is copied, so ``shared`` may hold a live replica's tensors; ValueError if it does not
         fit."""
-        self._load_shared(shared, lambda p, sync: self.outer[p].global_params.clone())
+        self._load_shared(
+            shared, lambda p, sync: self.outer[p].global_params.to(self.placement.device, copy=True)
+        )
         for fragment, outer in zip(self.fragments, self.outer, strict=True):
             fragment.write(outer.global_params)
 
@@ -235,9 +283,15 @@ class Strategy:
 class Streaming(Strategy):
     """Streaming DiLoCo: θ_p ← α·θ_p(now) + (1 − α)·z_p."""
 
-    def __init__(self, model: nn.Module, fragments: list[Fragment], settings: AlgoSettings) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        fragments: list[Fragment],
+        settings: AlgoSettings,
+        placement: Placement | None = None,
+    ) -> None:
         schedule = FixedSchedule(settings.inner_steps, len(fragments))
-        super().__init__(model, fragments, schedule, settings.overlap, settings.outer)
+        super().__init__(model, fragments, schedule, settings.overlap, settings.outer, placement)
         self.alpha = settings.alpha
 
     def merge(
@@ -255,9 +309,10 @@ class CoCoDC(Strategy):
         fragments: list[Fragment],
         settings: AlgoSettings,
         decay_between: Callable[[int, int], float] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         schedule = AdaptiveSchedule(settings.inner_steps, len(fragments), settings.transmissions)
-        super().__init__(model, fragments, schedule, settings.overlap, settings.outer)
+        super().__init__(model, fragments, schedule, settings.overlap, settings.outer, placement)
         self.settings = settings
         self.decay_between = decay_between
         if settings.dc_wd_debias and decay_between is None:
@@ -293,14 +348,15 @@ class DataParallel:
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def gradient_payload(self) -> torch.Tensor:
-        return torch.cat([p.grad.reshape(-1).float() for p in self.params])  # type: ignore[union-attr]
+        """The replica's gradients as one fp32 vector on the CPU (ddp blocks on every step anyway)."""
+        return torch.cat([p.grad.reshape(-1).float() for p in self.params]).cpu()  # type: ignore[union-attr]
 
     def apply_gradients(self, averaged: torch.Tensor) -> None:
         for p, chunk in zip(self.params, averaged.split([p.numel() for p in self.params]), strict=True):
             p.grad.copy_(chunk.view_as(p))  # type: ignore[union-attr]
 
     def global_state(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing: θ̄ is the replica itself, saved with its InnerTrainer."""
@@ -315,14 +371,17 @@ def make_strategy(
     model: nn.Module,
     settings: AlgoSettings,
     decay_between: Callable[[int, int], float] | None = None,
+    placement: Placement | None = None,
 ) -> Strategy | DataParallel:
-    """The strategy object of one replica for ``settings.algo``."""
+    """The strategy object of one replica for ``settings.algo``; the replica lives on
+    ``placement``'s device (default: the CPU)."""
     if settings.algo == "ddp":
         return DataParallel(model)
     if settings.algo == "diloco":
         whole_model = make_fragments(model, 1, "sequential")
-        return Strategy(model, whole_model, FixedSchedule(settings.inner_steps, 1), 0, settings.outer)
+        schedule = FixedSchedule(settings.inner_steps, 1)
+        return Strategy(model, whole_model, schedule, 0, settings.outer, placement)
     fragments = make_fragments(model, settings.fragments, settings.pattern)
     if settings.algo == "streaming":
-        return Streaming(model, fragments, settings)
-    return CoCoDC(model, fragments, settings, decay_between)
+        return Streaming(model, fragments, settings, placement)
+    return CoCoDC(model, fragments, settings, decay_between, placement)
