@@ -7,6 +7,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -202,10 +203,20 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
 
     from p2p_cocodc.checkpoint import find_resume_point
     from p2p_cocodc.peer import Peer, swarm_options  # hivemind: imported once the options are known good
+    from p2p_cocodc.region import Region, follow_region
 
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
     opts = swarm_options(swarm_file, swarm_cli)
-    summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg)), cfg, quiet)
+    region = Region.from_env()  # under torchrun: this region's replica is trained by several processes
+    if region is None:
+        summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg)), cfg, quiet)
+    else:
+        with region.joined(cfg, asdict(opts)):
+            if not region.leads:  # rank 0 speaks for the region; the others train as it says
+                follow_region(cfg, region)
+                return
+            with region.leading():
+                summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg), region=region), cfg, quiet)
     failed, done = summary["rounds_failed"], summary["rounds_done"]
     skipped = f"; {failed} of {failed + done} syncs failed and were skipped on every peer" if failed else ""
     click.echo(

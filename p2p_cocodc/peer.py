@@ -32,6 +32,7 @@ from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.devices import HostCopy
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import RunLog
+from p2p_cocodc.region import Region
 from p2p_cocodc.swarm.dht import check_identity, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
@@ -156,7 +157,13 @@ def fragment_round(p: int, step: int) -> str:
 class Peer:
     """One region of a run; ``run`` trains, writes records like ``simulate``, returns the summary."""
 
-    def __init__(self, cfg: TrainConfig, opts: SwarmOptions, resume: Checkpoint | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        opts: SwarmOptions,
+        resume: Checkpoint | None = None,
+        region: Region | None = None,
+    ) -> None:
         if opts.shard is not None and opts.shard[1] != cfg.data_shards:
             raise UserError(
                 f"--shard {opts.shard[0]}/{opts.shard[1]}: N must equal --max-peers {cfg.data_shards} "
@@ -164,11 +171,14 @@ class Peer:
             )
         self.cfg = cfg
         self.opts = opts
-        self.setup = TrainingSetup(cfg)
+        self.region = region  # rank 0 of a region of several processes (torchrun): ``region.py``
+        self.setup = TrainingSetup(cfg, region.placement if region is not None else None)
         step_time = self.setup.step_time() if self.setup.needs_step_time() else cfg.step_time
         self.settings = self.setup.settings(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6, step_time)
         self.fingerprint = fingerprint(self.setup, self.settings)
         self.trainer, self.strategy = self.setup.replica(self.settings)
+        if region is not None:
+            region.wrap(self.trainer)
         self.eval_model = self.setup.eval_model()
         self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
         self.view: dict[str, PeerRecord] = {}
@@ -545,6 +555,8 @@ class Peer:
         if int(state["shard"]) != self.shard_index:
             raise ValueError(f"it reads data shard {state['shard']}, this peer {self.shard_index}")
         self.trainer.load_state_dict(state["trainer"])
+        if self.region is not None:
+            self.region.whole = True
         self.strategy.load_state_dict(state["strategy"])
         self.versions = expect_list(state["versions"], len(self.versions), int, "fragment versions")
         self.step, self.joined_at = int(state["step"]), int(state["joined_at"])
@@ -630,8 +642,11 @@ class Peer:
                 f"run {self.opts.run_id!r} is at step {pulled.step} of --steps {self.cfg.steps}: nothing "
                 "left to train"
             )
-        self.trainer, self.strategy = self.setup.replica(self.settings)
+        self.trainer.reset()  # a fresh AdamW; join_from sets every parameter to θ̄
+        self.strategy = self.setup.strategy(self.trainer.model, self.settings)
         assert isinstance(self.strategy, Strategy)
+        if self.region is not None:
+            self.region.whole = True
         try:
             self.strategy.join_from(pulled.state["strategy"])
             versions = expect_list(pulled.state["versions"], len(self.versions), int, "fragment versions")
@@ -834,7 +849,10 @@ class Peer:
         await self._take_state(board, stop)
 
     async def _inner_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float:
-        if not isinstance(self.strategy, DataParallel):
+        if self.region is not None:
+            region = self.region
+            loss = await self._in_train_thread(region.lead_step, self.trainer, self.shard_index, x, y, step)
+        elif not isinstance(self.strategy, DataParallel):
             loss = await self._in_train_thread(self.trainer.step, x, y, step)
         else:  # ddp: the gradient all-reduce sits between backward and the optimizer step
             assert self.exchange is not None
@@ -953,6 +971,8 @@ class Peer:
             self._record_round(round_id, completed=True)
             was = self._send_spacing()
             self.strategy.apply(p, prepared, step, spacing=self.exchange.groups[round_id].pace)
+            if self.region is not None:
+                self.region.changed_params(self.strategy.fragments[p].params, self.trainer.model)
             self.versions[p] += 1
             if self._send_spacing() != was:
                 self._paced(was, round_id)

@@ -65,9 +65,16 @@ class TrainingSetup:
     def replica(self, settings: AlgoSettings) -> tuple[InnerTrainer, Strategy | DataParallel]:
         """A fresh copy of the initial model on the replica's device, with its inner optimizer and
         strategy."""
-        model = copy.deepcopy(self.base).to(self.placement.device)
-        strategy = make_strategy(model, settings, self.inner.decay_between, self.placement)
-        return InnerTrainer(model, self.inner, self.placement), strategy
+        trainer = self.trainer()
+        return trainer, self.strategy(trainer.model, settings)
+
+    def trainer(self) -> InnerTrainer:
+        """A fresh copy of the initial model on the replica's device, with its inner optimizer."""
+        return InnerTrainer(copy.deepcopy(self.base).to(self.placement.device), self.inner, self.placement)
+
+    def strategy(self, model: nn.Module, settings: AlgoSettings) -> Strategy | DataParallel:
+        """The strategy of a replica ``model`` (θ̄ starts as the model's parameters)."""
+        return make_strategy(model, settings, self.inner.decay_between, self.placement)
 
     def eval_model(self) -> nn.Module:
         """A copy of the model on the replica's device, that evaluations load θ̄ into."""

@@ -52,11 +52,13 @@ class InnerTrainer:
         self.forward: nn.Module = model
         self.settings = settings
         self.placement = placement or Placement()
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh AdamW (no moments): the inner optimizer of a replica that starts anew."""
+        s = self.settings
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=settings.lr,
-            betas=(settings.beta1, settings.beta2),
-            weight_decay=settings.weight_decay,
+            self.model.parameters(), lr=s.lr, betas=(s.beta1, s.beta2), weight_decay=s.weight_decay
         )
 
     def backward(self, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -1,0 +1,254 @@
+"""One region's processes under torchrun: G ranks train the region's replica with data parallelism
+(torch's DistributedDataParallel), and rank 0 alone speaks to the swarm::
+
+    torchrun --nproc-per-node G -m p2p_cocodc join --bootstrap HOST:PORT ...
+
+Every rank builds the same replica (same seed; DDP also broadcasts rank 0's at the start) and trains
+on its 1/G of each batch: ``--batch-size`` is the region's, so a region computes the same step
+whatever its G (DDP averages the G gradients into the batch's, to rounding). Rank 0 runs the peer:
+θ̄, the outer step, the exchange, evaluation, checkpoints and records. Before each inner step it
+tells the other ranks what to do with an ``Order`` (one small broadcast): the step and data shard
+to train, the parameters the swarm's results changed since the last step (broadcast from rank 0
+next, so every rank's replica stays rank 0's), or the whole trainer state (after taking the swarm's
+state or resuming), or the end. Between orders the other ranks wait; every wait has the process
+group's deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from p2p_cocodc.algorithms.inner import InnerTrainer
+from p2p_cocodc.config import TrainConfig
+from p2p_cocodc.data import Shard
+from p2p_cocodc.devices import Placement, resolve_device
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.training import TrainingSetup
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 1800.0  # the longest a rank waits for the others (rank 0 may wait --wait-peers, stall, evaluate)
+
+
+@dataclass(frozen=True)
+class Order:
+    """What rank 0 tells the other ranks before each inner step (step 0: the region is done)."""
+
+    step: int
+    shard: int = -1
+    params: tuple[int, ...] = ()  # indices into model.parameters() whose values follow
+    whole: bool = False  # the trainer's whole state follows (model and AdamW)
+    failed: bool = False  # with step 0: rank 0 ended with an error (it said which)
+
+
+@dataclass
+class Region:
+    """This process's place in its region's torchrun world (``from_env``), and the collectives the
+    region's ranks run together."""
+
+    rank: int
+    world: int
+    local_rank: int
+    placement: Placement = field(default_factory=Placement)  # this rank's device (``start``)
+    wrapped: bool = False  # the ranks' DDP is built: from here on they follow orders
+    changed: set[int] = field(default_factory=set)  # rank 0: parameters changed since the last order
+    whole: bool = False  # rank 0: the trainer was replaced since the last order
+
+    @classmethod
+    def from_env(cls) -> Region | None:
+        """The region this process is a rank of, from torchrun's variables; None outside torchrun
+        (or in a world of one)."""
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+        except ValueError:
+            raise UserError("WORLD_SIZE, RANK and LOCAL_RANK must be integers (torchrun sets them)") from None
+        if world <= 1:
+            return None
+        if not 0 <= rank < world:
+            raise UserError(f"RANK {rank} is outside the world of WORLD_SIZE {world}")
+        return cls(rank, world, local)
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def _placement_for(self, cfg: TrainConfig) -> Placement:
+        """This rank's device: --device auto or cuda gives rank r the GPU cuda:LOCAL_RANK."""
+        if cfg.device.startswith("cuda:"):
+            raise UserError(
+                f"--device {cfg.device} under torchrun: use --device cuda or auto (each rank takes the GPU "
+                "cuda:LOCAL_RANK), or limit the GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        device = resolve_device(cfg.device)
+        if device.type == "cuda":
+            if self.local_rank >= torch.cuda.device_count():
+                raise UserError(
+                    f"LOCAL_RANK {self.local_rank}, but this machine has {torch.cuda.device_count()} CUDA "
+                    "devices: start at most that many processes per node (--nproc-per-node)"
+                )
+            device = torch.device(f"cuda:{self.local_rank}")
+            torch.cuda.set_device(device)
+        return Placement(device, cfg.precision)
+
+    @contextlib.contextmanager
+    def joined(self, cfg: TrainConfig, swarm: dict[str, Any]) -> Iterator[None]:
+        """While open, this rank is in its region's process group (``start``); left on the way out."""
+        try:
+            self.start(cfg, swarm)
+            yield
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def start(self, cfg: TrainConfig, swarm: dict[str, Any]) -> None:
+        """Settle this rank's device, join the region's process group and check that every rank
+        was given the same options."""
+        if cfg.algo == "ddp":
+            raise UserError(
+                "--algo ddp under torchrun: a ddp region would need the swarm's gradients on every rank; "
+                "use a DiLoCo-family --algo, or one process per region"
+            )
+        if cfg.batch_size % self.world:
+            raise UserError(
+                f"--batch-size {cfg.batch_size} is the region's batch, cut among its {self.world} ranks: "
+                f"make it a multiple of {self.world}"
+            )
+        self.placement = self._placement_for(cfg)
+        backend = "nccl" if self.placement.device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(backend, timeout=timedelta(seconds=WAIT_S))
+        except (RuntimeError, ValueError) as exc:
+            raise UserError(f"could not join this region's torchrun world ({exc})") from None
+        mine = {**asdict(cfg), **swarm}
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        for rank, theirs in enumerate(everyone):
+            differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            if differ:
+                name = differ[0]
+                raise UserError(
+                    f"rank {rank} of this region was started with --{name.replace('_', '-')} "
+                    f"{theirs.get(name)!r}, rank {self.rank} with {mine.get(name)!r}: give every rank the "
+                    "same options"
+                )
+
+    @contextlib.contextmanager
+    def leading(self) -> Iterator[None]:
+        """Rank 0 while it runs the peer: on the way out, however it ends, the other ranks are told
+        to stop waiting for orders (only once they wait for them: before they built their DDP,
+        rank 0's exit makes torchrun end them)."""
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            if self.wrapped:
+                try:
+                    dist.broadcast_object_list([Order(0, failed=failed)], src=0)
+                except RuntimeError as exc:  # a rank already gone: torchrun ends the rest
+                    log.warning("could not tell this region's other ranks to stop (%s)", exc)
+
+    def wrap(self, trainer: InnerTrainer) -> None:
+        """Train ``trainer``'s model with DDP over the region's ranks (a collective: every rank)."""
+        device_ids = [trainer.placement.device.index] if trainer.placement.device.type == "cuda" else None
+        trainer.forward = nn.parallel.DistributedDataParallel(
+            trainer.model, device_ids=device_ids, broadcast_buffers=False
+        )
+        self.wrapped = True
+
+    def rows(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the region's batch."""
+        n = x.shape[0] // self.world
+        return x[self.rank * n : (self.rank + 1) * n], y[self.rank * n : (self.rank + 1) * n]
+
+    def mean(self, loss: float, device: torch.device) -> float:
+        """The mean of every rank's loss: the region batch's loss."""
+        value = torch.tensor([loss], dtype=torch.float64, device=device)
+        dist.all_reduce(value)
+        return float(value) / self.world
+
+    # ---- rank 0 ----
+
+    def lead_step(
+        self, trainer: InnerTrainer, shard: int, x: torch.Tensor, y: torch.Tensor, step: int
+    ) -> float:
+        """Rank 0's inner step: the order, then the changed parameters or state, then its rows."""
+        params = list(trainer.model.parameters())
+        order = Order(step, shard, tuple(sorted(self.changed)), self.whole)
+        self.changed, self.whole = set(), False
+        self._share(order, trainer, params)
+        return self._train(trainer, x, y, step)
+
+    def changed_params(self, tensors: list[torch.Tensor], model: nn.Module) -> None:
+        """Rank 0 wrote these parameters (a fragment's merge): they go to the others with the next order."""
+        ids = {id(t) for t in tensors}
+        self.changed.update(i for i, p in enumerate(model.parameters()) if id(p) in ids)
+
+    # ---- ranks 1 … G-1 ----
+
+    def follow(self, trainer: InnerTrainer, batch: Any) -> None:
+        """Train as rank 0 orders until it is done; ``batch(shard, step)`` gives the region's batch.
+        UserError if rank 0 ended with an error or is gone."""
+        params = list(trainer.model.parameters())
+        try:
+            while True:
+                box: list[Any] = [None]
+                dist.broadcast_object_list(box, src=0)
+                order = box[0]
+                if not isinstance(order, Order):
+                    raise UserError(f"rank 0 of this region sent {order!r}, not an order")
+                if order.step == 0 and order.failed:
+                    raise UserError(
+                        f"rank 0 of this region failed (its output says why); rank {self.rank} stops"
+                    )
+                if order.step == 0:
+                    return
+                self._share(order, trainer, params)
+                self._train(trainer, *batch(order.shard, order.step), order.step)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UserError(f"rank 0 of this region is gone ({first}); this rank stops") from None
+
+    # ---- both ----
+
+    def _share(self, order: Order, trainer: InnerTrainer, params: list[nn.Parameter]) -> None:
+        if self.leads:
+            dist.broadcast_object_list([order], src=0)
+        if order.whole:
+            box = [trainer.state_dict() if self.leads else None]
+            dist.broadcast_object_list(box, src=0)
+            if not self.leads:
+                trainer.load_state_dict(box[0])
+        with torch.no_grad():
+            for i in order.params:
+                dist.broadcast(params[i].data, src=0)
+
+    def _train(self, trainer: InnerTrainer, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
+        loss = trainer.step(*self.rows(x, y), step)
+        return self.mean(loss, trainer.placement.device)
+
+
+def follow_region(cfg: TrainConfig, region: Region) -> None:
+    """Ranks 1 … G-1: build the region's replica and train it as rank 0 orders (``Region.follow``)."""
+    setup = TrainingSetup(cfg, region.placement)
+    trainer = setup.trainer()
+    region.wrap(trainer)
+    shards: dict[int, Shard] = {}
+
+    def batch(shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if shard not in shards:
+            shards[shard] = setup.shard(shard, cfg.data_shards)
+        return shards[shard].batch(step - 1)
+
+    region.follow(trainer, batch)
