@@ -328,6 +328,8 @@ def _demo_option(name: str, default: Any = None, **kwargs: Any) -> Callable[...,
 @_demo_option("tokenizer")
 @_demo_option("seq_len", type=int)
 @_demo_option("batch_size", type=int)
+@_demo_option("device")
+@_demo_option("precision")
 @click.option(
     "--workdir", type=click.Path(), default=None, help="logs and records go here [default: a new temp dir]"
 )
