@@ -25,6 +25,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import write_section  # noqa: E402
+
 CLI = [sys.executable, "-m", "p2p_cocodc"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 PEERS = 3
@@ -123,11 +127,7 @@ def write_report(rows: list[tuple], args: argparse.Namespace, training: list[str
     if args.model != "micro" or args.algo != "cocodc":
         command += f" --model {args.model} --algo {args.algo}"
     table = "\n".join(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.3f} |" for r in rows)
-    text = f"""# Performance
-
-## Peer overhead
-
-Throughput of a peer training while the swarm averages fragments in the background, divided by
+    text = f"""Throughput of a peer training while the swarm averages fragments in the background, divided by
 the throughput of the same peer program with nothing to exchange, both measured side by side in
 one run: three peers on 127.0.0.1 at a time (this machine: {os.cpu_count()} cores, shared), each
 repeat running both sides back to back and alternating which goes first. Throughput is the peer's
@@ -145,8 +145,7 @@ Training options: `{" ".join(training)}`
 **Median ratio: {median:.3f}** (target ≥ 0.95), spread {min(r[4] for r in rows):.3f} to
 {max(r[4] for r in rows):.3f} over the repeats: the machine is shared, so single repeats are noisy.
 """
-    path = ROOT / "docs" / "performance.md"
-    path.write_text(text)
+    write_section("Peer overhead", text)
     print(text)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -65,6 +66,14 @@ def check_precision(precision: str, device: torch.device) -> None:
             torch.ones(1, device=device, dtype=torch.bfloat16)
         except (RuntimeError, TypeError):
             raise UserError("--precision bf16: this Apple GPU lacks bfloat16; use --precision fp32") from None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has held for training: on CUDA the device allocator's peak,
+    elsewhere the process's peak resident set (Python and torch included)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 @dataclass

@@ -29,7 +29,7 @@ from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, PreparedResult, Strategy
 from p2p_cocodc.checkpoint import Checkpoint, CheckpointWriter, committed, read_checkpoint
 from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.devices import HostCopy
+from p2p_cocodc.devices import HostCopy, peak_memory_bytes
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import RunLog
 from p2p_cocodc.region import Region
@@ -188,6 +188,7 @@ class Peer:
         self.step_time_s = step_time or 0.0
         self.stall_s = 0.0
         self.eval_s = 0.0  # evaluation time, kept out of the training throughput
+        self.steps_trained = 0  # inner steps this process trained (a joiner's run starts past step 0)
         self.versions = [0] * len(self.strategy.fragments) if isinstance(self.strategy, Strategy) else [0]
         self.pending: dict[int, asyncio.Task[PreparedResult]] = {}
         self.failed_in_a_row = 0  # syncs that failed since the last one that completed
@@ -788,6 +789,7 @@ class Peer:
                 elapsed = time.perf_counter() - t0
                 self.step_time_s = elapsed if step == 1 else 0.9 * self.step_time_s + 0.1 * elapsed
                 self.step = step
+                self.steps_trained += 1
                 if isinstance(self.strategy, Strategy):
                     await self._apply_due(step, stop)
                     if not stop.is_set():
@@ -819,7 +821,8 @@ class Peer:
             stall_s=self.stall_s,
             wall_time_s=wall,
             step_time_s=self.step_time_s,
-            tokens_per_s=self.step * cfg.batch_size * cfg.seq_len / max(wall - self.eval_s, 1e-9),
+            tokens_per_s=self.steps_trained * cfg.batch_size * cfg.seq_len / max(wall - self.eval_s, 1e-9),
+            peak_memory_bytes=peak_memory_bytes(self.setup.placement.device),
             rounds_done=stats.rounds_done,
             rounds_failed=stats.rounds_failed,
             bytes_resent=stats.bytes_resent,
