@@ -109,7 +109,9 @@ class DeviceCopy:
 
     def get(self) -> torch.Tensor:
         if self.event is not None:
-            torch.cuda.current_stream(self.tensor.device).wait_event(self.event)
+            main = torch.cuda.current_stream(self.tensor.device)
+            main.wait_event(self.event)
+            self.tensor.record_stream(main)  # allocated on the side stream, used on this one
         return self.tensor
 
 
@@ -162,16 +164,14 @@ class Placement:
 
     def to_device(self, tensor: torch.Tensor) -> DeviceCopy:
         """Start copying a host tensor to the device. It is staged in pinned memory first, so the
-        caller may change ``tensor`` at once (θ̄ is updated in place at the next outer step)."""
+        caller may change ``tensor`` at once (θ̄ may be loaded or stepped in place)."""
         if self._side is None:
             return DeviceCopy(tensor.to(self.device))
-        side, main = self._side, torch.cuda.current_stream(self.device)
         staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         staged.copy_(tensor)
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-        side.wait_stream(main)  # ``out``'s memory may have been in use on the training stream
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(self._side):  # allocated here, so ordered after the side stream only
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
             out.copy_(staged, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(side)
+            event.record(self._side)
         return DeviceCopy(out, event)

@@ -22,6 +22,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from p2p_cocodc.algorithms.inner import InnerTrainer
+from p2p_cocodc.checkpoint import join_state, split_state
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.data import Shard
 from p2p_cocodc.devices import Placement, resolve_device
@@ -225,11 +227,12 @@ class Region:
     def _share(self, order: Order, trainer: InnerTrainer, params: list[nn.Parameter]) -> None:
         if self.leads:
             dist.broadcast_object_list([order], src=0)
-        if order.whole:
-            box = [trainer.state_dict() if self.leads else None]
+        if order.whole:  # sent as CPU tensors: each rank loads them onto its own device
+            box = [split_state(trainer.state_dict()) if self.leads else None]
             dist.broadcast_object_list(box, src=0)
             if not self.leads:
-                trainer.load_state_dict(box[0])
+                skeleton, tensors = box[0]
+                trainer.load_state_dict(join_state(skeleton, tensors, Path("rank 0's trainer state")))
         with torch.no_grad():
             for i in order.params:
                 dist.broadcast(params[i].data, src=0)
