@@ -35,6 +35,7 @@ from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.data import Shard
 from p2p_cocodc.devices import Placement, resolve_device
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.metrics import params_sha256
 from p2p_cocodc.training import TrainingSetup
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Order:
     params: tuple[int, ...] = ()  # indices into model.parameters() whose values follow
     whole: bool = False  # the trainer's whole state follows (model and AdamW)
     failed: bool = False  # with step 0: rank 0 ended with an error (it said which)
+    replica_sha256: str = ""  # with step 0: rank 0's replica, which every rank's must equal
 
 
 @dataclass
@@ -62,7 +64,7 @@ class Region:
     world: int
     local_rank: int
     placement: Placement = field(default_factory=Placement)  # this rank's device (``start``)
-    wrapped: bool = False  # the ranks' DDP is built: from here on they follow orders
+    trainer: InnerTrainer | None = None  # the replica the ranks train with DDP (``wrap``)
     changed: set[int] = field(default_factory=set)  # rank 0: parameters changed since the last order
     whole: bool = False  # rank 0: the trainer was replaced since the last order
 
@@ -155,19 +157,18 @@ class Region:
             yield
             failed = False
         finally:
-            if self.wrapped:
+            if self.trainer is not None:  # the others wait for orders
+                digest = "" if failed else params_sha256(self.trainer.model.state_dict())
                 try:
-                    dist.broadcast_object_list([Order(0, failed=failed)], src=0)
+                    dist.broadcast_object_list([Order(0, failed=failed, replica_sha256=digest)], src=0)
                 except RuntimeError as exc:  # a rank already gone: torchrun ends the rest
                     log.warning("could not tell this region's other ranks to stop (%s)", exc)
 
     def wrap(self, trainer: InnerTrainer) -> None:
         """Train ``trainer``'s model with DDP over the region's ranks (a collective: every rank)."""
         device_ids = [trainer.placement.device.index] if trainer.placement.device.type == "cuda" else None
-        trainer.forward = nn.parallel.DistributedDataParallel(
-            trainer.model, device_ids=device_ids, broadcast_buffers=False
-        )
-        self.wrapped = True
+        trainer.forward = nn.parallel.DistributedDataParallel(trainer.model, device_ids=device_ids)
+        self.trainer = trainer
 
     def rows(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of the region's batch."""
@@ -215,6 +216,12 @@ class Region:
                         f"rank 0 of this region failed (its output says why); rank {self.rank} stops"
                     )
                 if order.step == 0:
+                    mine = params_sha256(trainer.model.state_dict())
+                    if mine != order.replica_sha256:
+                        raise UserError(
+                            f"rank {self.rank}'s replica ended as {mine[:16]}, rank 0's as "
+                            f"{order.replica_sha256[:16]}: the region's ranks diverged (a bug)"
+                        )
                     return
                 self._share(order, trainer, params)
                 self._train(trainer, *batch(order.shard, order.step), order.step)

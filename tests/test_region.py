@@ -3,14 +3,26 @@ speaks to the swarm, and the region computes what a one-process region computes,
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from tests.swarm_procs import CLI, ENV, end_group, free_port, records, run_cli, spawn, start_bootstrap
+from tests.swarm_procs import (
+    CLI,
+    ENV,
+    end_group,
+    free_port,
+    records,
+    run_cli,
+    spawn,
+    start_bootstrap,
+)
 from tests.tiny_options import TINY_MODEL, TINY_SYNCS
 
 OPTIONS = [
@@ -122,3 +134,75 @@ def test_when_rank_0_fails_every_rank_of_the_region_stops(tmp_path: Path) -> Non
     assert code0 != 0 and code1 != 0
     assert "bootstrap" in err0 and "Traceback" not in err0, err0
     assert "rank 0 of this region failed" in err1 and "Traceback" not in err1, err1
+
+
+def _rank(rank: int, port: int, diverge: bool, results: Any) -> None:
+    """One rank of an in-process region: rank 0 orders three steps (the second hands over a whole
+    new trainer state, the third a changed parameter), then the end; rank 1 follows."""
+    import os
+
+    from p2p_cocodc.config import build_config
+    from p2p_cocodc.errors import UserError
+    from p2p_cocodc.region import Region
+    from p2p_cocodc.training import TrainingSetup
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    cfg = build_config(
+        {}, {"model": "nano", "tokenizer": "byte", "seq_len": 32, "batch_size": 4, "device": "cpu"}
+    )
+    region = Region(rank, 2, rank)
+    try:
+        with region.joined(cfg, {}):
+            setup = TrainingSetup(cfg, region.placement)
+            trainer = setup.trainer()
+            region.wrap(trainer)  # DDP starts every rank from rank 0's parameters
+            params = list(trainer.model.parameters())
+            shard = setup.shard(0, 1)
+            if rank == 1:
+                with torch.no_grad():
+                    params[0].add_(1.0)  # out of step until rank 0's whole state arrives
+                region.follow(trainer, lambda _shard, step: shard.batch(step - 1))
+                results.put((rank, "ok"))
+                return
+            with region.leading():
+                region.lead_step(trainer, 0, *shard.batch(0), 1)
+                with torch.no_grad():  # what taking the swarm's state does: new parameters, fresh AdamW
+                    for p in params:
+                        p.mul_(0.5)
+                trainer.reset()
+                region.whole = not diverge
+                region.lead_step(trainer, 0, *shard.batch(1), 2)
+                with torch.no_grad():
+                    params[3].add_(0.25)  # a merged fragment
+                region.changed_params([params[3]], trainer.model)
+                region.lead_step(trainer, 0, *shard.batch(2), 3)
+            results.put((rank, "ok"))
+    except UserError as exc:
+        results.put((rank, str(exc)))
+
+
+@pytest.mark.parametrize("diverge", [False, True])
+def test_rank_0_hands_its_ranks_whole_states_and_merged_fragments_and_a_divergence_is_caught(
+    diverge: bool,
+) -> None:
+    """The orders' whole-state and changed-parameter paths, in one 2-rank gloo world: the follower
+    ends with rank 0's replica; when rank 0 withholds the whole state, the follower's end-of-run
+    check catches the divergence."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_rank, args=(r, port, diverge, results)) for r in (0, 1)]
+    for proc in ranks:
+        proc.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in ranks)
+    finally:
+        for proc in ranks:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert got[0] == "ok"
+    if diverge:
+        assert "the region's ranks diverged" in got[1], got
+    else:
+        assert got[1] == "ok", got
