@@ -232,3 +232,12 @@ def test_a_bf16_region_and_an_fp32_region_hold_one_global_model(tmp_path: Path) 
     # and the bf16 region did compute in bf16: θ̄ is not the all-fp32 swarm's
     assert fp32["global_params_sha256"] != records(tmp_path / "fp32.jsonl")[-1]["global_params_sha256"]
     assert bf16["config"]["precision"] == "bf16"
+
+
+@pytest.mark.skipif(CUDA, reason="checks the message of a machine without CUDA")
+def test_join_and_simulate_without_cuda_say_so_in_one_line(tmp_path: Path) -> None:
+    for command in (["simulate"], ["join", "--bootstrap", "127.0.0.1:9"]):
+        done = run_cli([*command, *TINY_MODEL, "--steps", "2", "--device", "cuda"], tmp_path, timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert "--device cuda: no CUDA device here" in lines[0]
