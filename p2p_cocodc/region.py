@@ -158,11 +158,21 @@ class Region:
             failed = False
         finally:
             if self.trainer is not None:  # the others wait for orders
-                digest = "" if failed else params_sha256(self.trainer.model.state_dict())
                 try:
-                    dist.broadcast_object_list([Order(0, failed=failed, replica_sha256=digest)], src=0)
+                    self._end(self.trainer, failed)
                 except RuntimeError as exc:  # a rank already gone: torchrun ends the rest
                     log.warning("could not tell this region's other ranks to stop (%s)", exc)
+
+    def _end(self, trainer: InnerTrainer, failed: bool) -> None:
+        """The last order: what changed after the last step (results due at it), and the hash of
+        the replica every rank must now hold; or only that rank 0 failed."""
+        if failed:
+            dist.broadcast_object_list([Order(0, failed=True)], src=0)
+            return
+        digest = params_sha256(trainer.model.state_dict())
+        order = Order(0, params=tuple(sorted(self.changed)), whole=self.whole, replica_sha256=digest)
+        self.changed, self.whole = set(), False
+        self._share(order, trainer, list(trainer.model.parameters()))
 
     def wrap(self, trainer: InnerTrainer) -> None:
         """Train ``trainer``'s model with DDP over the region's ranks (a collective: every rank)."""
@@ -215,6 +225,7 @@ class Region:
                     raise UserError(
                         f"rank 0 of this region failed (its output says why); rank {self.rank} stops"
                     )
+                self._share(order, trainer, params)
                 if order.step == 0:
                     mine = params_sha256(trainer.model.state_dict())
                     if mine != order.replica_sha256:
@@ -223,7 +234,6 @@ class Region:
                             f"{order.replica_sha256[:16]}: the region's ranks diverged (a bug)"
                         )
                     return
-                self._share(order, trainer, params)
                 self._train(trainer, *batch(order.shard, order.step), order.step)
         except (RuntimeError, dist.DistBackendError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

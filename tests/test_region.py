@@ -176,6 +176,9 @@ def _rank(rank: int, port: int, diverge: bool, results: Any) -> None:
                     params[3].add_(0.25)  # a merged fragment
                 region.changed_params([params[3]], trainer.model)
                 region.lead_step(trainer, 0, *shard.batch(2), 3)
+                with torch.no_grad():
+                    params[5].sub_(0.25)  # a result due at the last step: it goes with the end
+                region.changed_params([params[5]], trainer.model)
             results.put((rank, "ok"))
     except UserError as exc:
         results.put((rank, str(exc)))
