@@ -882,8 +882,8 @@ class Peer:
         return loss
 
     def _send(self, step: int) -> None:
-        """Start the syncs the schedule asks for after ``step``. The training thread only takes the
-        snapshots (on the device); their copies to the host, the outer gradients, the exchange and
+        """Start the syncs the schedule asks for after ``step``. Between two steps only the snapshots
+        are taken (on the device); their copies to the host, the outer gradients, the exchange and
         the outer step the result leads to run in the sync's task (``_sync``)."""
         assert isinstance(self.strategy, Strategy)
         for p in self.strategy.sends_after(step):
