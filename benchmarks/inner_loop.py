@@ -226,7 +226,8 @@ Reproduce: `{command}`
 it ({(peer_peak - plain_peak) / mb:+.0f} MB over the plain loop). The peer's DHT process and libp2p
 daemon hold another {helpers / mb:.0f} MB between them.
 """
-    write_section("Inner loop against a plain PyTorch loop", text)
+    title = f"Inner loop against a plain PyTorch loop ({plain0['device']}, {args.precision}"
+    write_section(title + (f", {args.threads} threads)" if plain0["device"] == "cpu" else ")"), text)
     print(text)
 
 
