@@ -15,6 +15,7 @@ import click
 
 from p2p_cocodc.config import FIELDS, TrainConfig, build_config, load_toml
 from p2p_cocodc.errors import Stopped, UserError
+from p2p_cocodc.names import HF_PREFIX
 
 
 def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -53,6 +54,12 @@ def check_output_paths(cfg: TrainConfig) -> None:
     for option, path in (("--out", cfg.out), ("--save", cfg.save)):
         if path is not None:
             file = Path(path)
+            if option == "--save" and cfg.model.startswith(HF_PREFIX):  # saved as a folder
+                from p2p_cocodc.hf import check_save_folder
+
+                check_save_folder(path)
+                _check_folder(f"{option} {path}", file.parent)
+                continue
             if file.is_dir():
                 raise UserError(f"{option} {path} is a folder: give a file name")
             _check_folder(f"{option} {path}", file.parent)

@@ -85,9 +85,13 @@ class TrainConfig:
     weight_decay: float = _opt(0.1, "inner AdamW weight decay")
     grad_clip: float = _opt(1.0, "inner gradient-norm clip (0 = off)")
     # model and data
-    model: str = _opt("tiny", "model preset (nano, micro, tiny, small, base) or module:factory")
+    model: str = _opt(
+        "tiny",
+        "model preset (nano, micro, tiny, small, base), hf:PATH (a local Hugging Face causal LM and its "
+        "tokenizer; needs pip install -e '.[hf]') or module:factory",
+    )
     data: str | None = _opt(None, "UTF-8 text file or folder of .txt files (default: embedded corpus)")
-    tokenizer: str = _opt("bpe4096", "tokenizer", TOKENIZERS)
+    tokenizer: str = _opt("bpe4096", "tokenizer (an hf: model uses the one in its folder)", TOKENIZERS)
     seq_len: int = _opt(128, "tokens per training sequence")
     batch_size: int = _opt(8, "sequences per inner step per replica")
     seed: int = _opt(0, "seed of the model init (data order is seeded by it too)")
@@ -99,7 +103,9 @@ class TrainConfig:
     eval_every: int = _opt(48, "evaluate θ̄ every E inner steps")
     eval_batches: int = _opt(16, "validation batches per evaluation")
     out: str | None = _opt(None, "write JSON-lines records here", computes=False)
-    save: str | None = _opt(None, "write the final global parameters θ̄ here (safetensors)", computes=False)
+    save: str | None = _opt(
+        None, "write the final global parameters θ̄ here (safetensors; hf: models: a folder)", computes=False
+    )
     threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)", computes=False)
     # where the replica computes (a region's own choice: peers on different hardware train together)
     device: str = _opt(

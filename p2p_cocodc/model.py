@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.names import HF_PREFIX
 
 
 @dataclass(frozen=True)
@@ -114,12 +115,19 @@ class GPT(nn.Module):
 
 
 def build_model(spec: str, vocab_size: int, seq_len: int) -> nn.Module:
-    """A preset name (``tiny``) or a plug-in ``module:factory`` called as factory(vocab_size, seq_len)."""
+    """A preset name (``tiny``), a Hugging Face causal LM ``hf:PATH_OR_NAME`` (p2p_cocodc.hf), or a
+    plug-in ``module:factory`` called as factory(vocab_size, seq_len)."""
     if spec in PRESETS:
         n_layer, n_embd, n_head = PRESETS[spec]
         return GPT(GPTConfig(vocab_size, seq_len, n_layer, n_embd, n_head))
+    if spec.startswith(HF_PREFIX):
+        from p2p_cocodc.hf import build_hf_model  # torch only; transformers is imported when building
+
+        return build_hf_model(spec, vocab_size, seq_len)
     if ":" not in spec:
-        raise UserError(f"unknown model {spec!r}: use a preset ({', '.join(PRESETS)}) or module:factory")
+        raise UserError(
+            f"unknown model {spec!r}: use a preset ({', '.join(PRESETS)}), hf:PATH or module:factory"
+        )
     module_name, _, factory_name = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)

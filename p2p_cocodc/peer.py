@@ -31,6 +31,7 @@ from p2p_cocodc.checkpoint import Checkpoint, CheckpointWriter, committed, read_
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.devices import HostCopy, peak_memory_bytes
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.hf import model_identity
 from p2p_cocodc.metrics import RunLog
 from p2p_cocodc.region import Region
 from p2p_cocodc.swarm.dht import check_identity, p2pd_socket, parse_bootstrap, start_dht, stop_dht
@@ -136,7 +137,7 @@ def fingerprint(setup: TrainingSetup, settings: AlgoSettings) -> str:
     shared = {
         "algo": asdict(settings),
         "inner": asdict(setup.inner),
-        "model": cfg.model,
+        "model": model_identity(cfg.model, setup.base),  # an hf: model by content, not by path
         "data": digest,
         "vocab": setup.tokens.vocab_size,
         "seq_len": cfg.seq_len,

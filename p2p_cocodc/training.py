@@ -25,6 +25,7 @@ from p2p_cocodc.config import AUTO, TrainConfig
 from p2p_cocodc.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
 from p2p_cocodc.devices import Placement
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.hf import hf_tokenizer, is_hf_model, save_hf_model
 from p2p_cocodc.metrics import params_sha256, perplexity
 from p2p_cocodc.model import build_model, count_parameters
 
@@ -40,7 +41,7 @@ class TrainingSetup:
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         corpus = load_corpus(cfg.data)
-        tokenizer = load_tokenizer(cfg.tokenizer, corpus)
+        tokenizer = hf_tokenizer(cfg) if is_hf_model(cfg.model) else load_tokenizer(cfg.tokenizer, corpus)
         self.tokens = tokenize_corpus(corpus, tokenizer)
         torch.manual_seed(cfg.seed)
         self.base = build_model(cfg.model, self.tokens.vocab_size, cfg.seq_len)
@@ -145,7 +146,11 @@ def summary_record(
     cfg = setup.cfg
     digest = params_sha256(global_state)
     if cfg.save is not None:
-        save_global(global_state, cfg.save, {"global_params_sha256": digest, "algo": cfg.algo})
+        metadata = {"global_params_sha256": digest, "algo": cfg.algo}
+        if is_hf_model(cfg.model):  # a folder AutoModelForCausalLM.from_pretrained loads
+            save_hf_model(setup.base, global_state, cfg.save, metadata)
+        else:
+            save_global(global_state, cfg.save, metadata)
     return {
         "kind": "summary",
         "algo": cfg.algo,
