@@ -19,13 +19,12 @@ from typing import Any
 
 import pytest
 import torch
+import transformers  # the hf extra, which the test extra includes
 
 from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.data import SHIPPED_BPE, BpeTokenizer, load_corpus, tokenize_corpus
 from tests.swarm_procs import end_group, records, run_cli, spawn, start_bootstrap
 from tests.test_cli import assert_one_error_line
-
-transformers = pytest.importorskip("transformers")  # the hf extra: pip install -e '.[hf]'
 
 LAYERS = 2
 SMALL = [
