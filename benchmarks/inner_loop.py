@@ -186,6 +186,7 @@ def main() -> None:
 
 def report(rows: list[tuple], args: argparse.Namespace, options: dict[str, Any]) -> None:
     ratios = [peer["tokens_per_s"] / plain["tokens_per_s"] for _, _, peer, plain in rows]
+    median = statistics.median(ratios)
     plain0 = rows[0][3]
     num_params = plain0["num_params"]
     model_bytes = 5 * 4 * num_params  # replica, θ̄, outer momentum, AdamW's two moments (fp32)
@@ -217,8 +218,7 @@ Reproduce: `{command}`
 |---|---|---|---|---|---|
 {table}
 
-**Median ratio: {statistics.median(ratios):.3f}** (target ≥ 0.98), spread {min(ratios):.3f} to
-{max(ratios):.3f}.
+**Median ratio: {median:.3f}** (target ≥ 0.98), spread {min(ratios):.3f} to {max(ratios):.3f}.
 
 **Peak memory** ({memory_kind}, median over the repeats): peer {peer_peak / mb:.0f} MB, plain loop
 {plain_peak / mb:.0f} MB; the model's own state (replica + θ̄ + outer momentum + AdamW, 5 × 4 bytes ×
@@ -227,7 +227,8 @@ it ({(peer_peak - plain_peak) / mb:+.0f} MB over the plain loop). The peer's DHT
 daemon hold another {helpers / mb:.0f} MB between them.
 """
     title = f"Inner loop against a plain PyTorch loop ({plain0['device']}, {args.precision}"
-    write_section(title + (f", {args.threads} threads)" if plain0["device"] == "cpu" else ")"), text)
+    threads = f", {args.threads} thread{'s' if args.threads > 1 else ''})"
+    write_section(title + (threads if plain0["device"] == "cpu" else ")"), text)
     print(text)
 
 
