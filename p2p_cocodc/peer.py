@@ -573,7 +573,7 @@ class Peer:
             return
         for p, sync in self.strategy.in_flight.items():
             vector = self.strategy.outer_gradient(p, sync.snapshot.cpu())
-            self.pending[p] = asyncio.create_task(self._fetch(p, sync.sent_step, vector, take_part=True))
+            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, vector, self._pace_wish()))
 
     async def _write_checkpoint(self) -> None:
         assert self.checkpoints is not None
@@ -658,7 +658,7 @@ class Peer:
         self.step = self.joined_at = pulled.step
         for p, sync in self.strategy.in_flight.items():
             size = torch.zeros_like(self.strategy.outer[p].global_params)
-            self.pending[p] = asyncio.create_task(self._fetch(p, sync.sent_step, size, take_part=False))
+            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, size, pace=None))
         self.state = "training"
         self.exchange.set_joining(False)
         self.failed_in_a_row = 0
@@ -896,22 +896,18 @@ class Peer:
         copy, the round, then the result prepared for ``Strategy.apply`` (the outer step on the
         CPU, the new θ̄_p copied to the device) so that applying it between two steps costs only
         the merge."""
-        assert isinstance(self.strategy, Strategy) and self.exchange is not None
-        strategy = self.strategy
-        payload = strategy.outer_gradient(p, await snapshot.ready())
-        averaged = await self.exchange.allreduce(fragment_round(p, step), payload, step, pace=pace)
-        return await asyncio.to_thread(strategy.prepare, p, averaged)
+        assert isinstance(self.strategy, Strategy)
+        return await self._round(p, step, self.strategy.outer_gradient(p, await snapshot.ready()), pace)
 
-    async def _fetch(self, p: int, sent_step: int, vector: torch.Tensor, take_part: bool) -> PreparedResult:
-        """A sync in flight this peer did not start here (after taking the state, or resuming):
-        run it with ``vector`` (``take_part``) or only fetch its average, then prepare the result."""
+    async def _round(self, p: int, sent_step: int, vector: torch.Tensor, pace: int | None) -> PreparedResult:
+        """The round of fragment p sent after ``sent_step``: with ``vector`` and the ``pace`` this
+        peer asks for, or (``pace`` None: a sync in flight when this peer took the swarm's state)
+        only fetching its average; then the result prepared for ``Strategy.apply``."""
         assert isinstance(self.strategy, Strategy) and self.exchange is not None
         strategy = self.strategy
         round_id = fragment_round(p, sent_step)
-        if take_part:
-            averaged = await self.exchange.allreduce(round_id, vector, sent_step, pace=self._pace_wish())
-        else:
-            averaged = await self.exchange.allreduce(round_id, vector, sent_step, take_part=False)
+        take_part = pace is not None
+        averaged = await self.exchange.allreduce(round_id, vector, sent_step, take_part, pace or 0)
         return await asyncio.to_thread(strategy.prepare, p, averaged)
 
     def _paced(self, was: int | None, round_id: str) -> None:

@@ -18,28 +18,13 @@ from p2p_cocodc.metrics import RunLog, params_sha256
 from p2p_cocodc.sim import Simulation
 from p2p_cocodc.training import TrainingSetup
 from tests.swarm_procs import end_group, records, run_cli, spawn, start_bootstrap
-from tests.tiny_options import TINY_MODEL, TINY_SYNCS
+from tests.test_algorithms import SMALL as ALGORITHMS_SMALL
+from tests.tiny_options import TINY_MODEL, TWO_PEERS
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
 
-SMALL = TrainConfig(
-    model="nano",
-    tokenizer="byte",
-    seq_len=32,
-    batch_size=4,
-    workers=2,
-    steps=16,
-    inner_steps=8,
-    fragments=2,
-    overlap=2,
-    eval_every=8,
-    eval_batches=2,
-    step_time=0.05,
-    lr=3e-3,
-    warmup=4,
-    device="cpu",
-)
+SMALL = replace(ALGORITHMS_SMALL, steps=16, fragments=2, eval_every=8, device="cpu")
 
 
 def run(cfg: TrainConfig) -> tuple[Simulation, dict]:
@@ -192,19 +177,7 @@ def test_a_cuda_replica_merges_like_a_cpu_replica() -> None:
 
 # ---- a swarm of regions on different precisions ----
 
-SWARM = [
-    *TINY_MODEL,
-    "--workers",
-    "2",
-    "--steps",
-    "24",
-    *TINY_SYNCS,
-    "--threads",
-    "1",
-    "--quiet",
-    "--pace",
-    "fixed",
-]
+SWARM = [*TWO_PEERS, "--pace", "fixed"]
 
 
 def test_a_bf16_region_and_an_fp32_region_hold_one_global_model(tmp_path: Path) -> None:

@@ -23,21 +23,9 @@ from tests.swarm_procs import (
     spawn,
     start_bootstrap,
 )
-from tests.tiny_options import TINY_MODEL, TINY_SYNCS
+from tests.tiny_options import TWO_PEERS
 
-OPTIONS = [
-    *TINY_MODEL,
-    "--workers",
-    "2",
-    "--steps",
-    "24",
-    *TINY_SYNCS,
-    "--threads",
-    "1",
-    "--quiet",
-    "--device",
-    "cpu",
-]
+OPTIONS = [*TWO_PEERS, "--device", "cpu"]
 # θ̄ of a 2-rank region against a 1-process region: DDP's mean of two half-batch gradients equals the
 # whole batch's up to float rounding, which AdamW's normalised steps carry on; over 24 steps the
 # largest difference measured was 9e-7. A region that trained on half its batch differs by ~1e-2.

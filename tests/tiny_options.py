@@ -15,3 +15,5 @@ TINY_SYNCS = [
     "--eval-batches",
     "2",
 ]
+# two peers (or workers) of 24 steps on one thread each, quiet
+TWO_PEERS = [*TINY_MODEL, "--workers", "2", "--steps", "24", *TINY_SYNCS, "--threads", "1", "--quiet"]
