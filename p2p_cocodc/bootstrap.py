@@ -29,8 +29,9 @@ from urllib.parse import urlsplit
 
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.logs import configure_logging
-from p2p_cocodc.swarm.dht import check_identity, p2pd_socket, start_dht, stop_dht
+from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
+from p2p_cocodc.swarm.trust import Membership
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ PEER_FIELDS = (
     "bytes_sent",
     "joined_at",
     "resume_step",
+    "key_id",
+    "refused",
+    "outliers",
 )
 
 
@@ -66,6 +70,7 @@ class BootstrapOptions:
     status_host: str | None = None
     status_port: int = 31338
     refresh_s: float = 1.0
+    swarm_key_file: str | None = None
 
 
 class Snapshot:
@@ -138,14 +143,14 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the DHT process dies (exit code 1)."""
     configure_logging(logging.INFO)
     check_options(opts)
+    membership = Membership.from_file(opts.swarm_key_file)
     status_host = opts.status_host or opts.host
     with ExitStack() as stack:
         # Bound before the DHT starts, so a taken port fails in a second, before anything is started.
         # The forked DHT process inherits this socket but never accepts on it, and dies with us.
         server = bind_status_server(status_host, opts.status_port)
         stack.callback(server.server_close)
-        check_identity(opts.identity)
-        dht = start_dht([], opts.host, opts.port, opts.announce, identity_path=opts.identity)
+        dht = start_dht([], opts.host, opts.port, opts.announce, opts.identity, membership, protected=None)
         stack.callback(stop_dht, dht, p2pd_socket(dht))
         # Set only now: a Python handler installed before the fork would also run in the DHT process.
         signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -155,7 +160,7 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
             threading.Thread(target=server.serve_forever, name="status-http", daemon=True).start()
             stack.callback(server.shutdown)
             write_address_file(opts.address_file, address)
-            announce_join(address, opts)
+            announce_join(address, opts, membership)
             import uvloop
 
             return uvloop.run(watch(dht, address["peer_id"], snapshot, opts.refresh_s))
@@ -247,16 +252,31 @@ def write_address_file(path: str, address: dict[str, Any]) -> None:
         raise UserError(f"--address-file {path}: cannot write it ({exc.strerror or exc})") from None
 
 
-def announce_join(address: dict[str, Any], opts: BootstrapOptions) -> None:
-    """Print what peers must run; notes about reachability go to stderr."""
+def announce_join(address: dict[str, Any], opts: BootstrapOptions, membership: Membership) -> None:
+    """Print what peers must run; notes about reachability and openness go to stderr."""
+    key = "" if membership.is_open else f" --swarm-key-file {opts.swarm_key_file}"
     lines = [
         f"bootstrap peer id {address['peer_id']} (identity {opts.identity})",
         f"status {address['status_url']}; addresses written to {opts.address_file}",
         "peers join with any of:",
-        f"  p2p-cocodc join --bootstrap {address['join']}",
-        *(f"  p2p-cocodc join --bootstrap {m}" for m in address["maddrs"]),
+        f"  p2p-cocodc join --bootstrap {address['join']}{key}",
+        *(f"  p2p-cocodc join --bootstrap {m}{key}" for m in address["maddrs"]),
     ]
     print("\n".join(lines), flush=True)
+    if membership.is_open:
+        print(
+            "note: open: any peer that reaches this bootstrap may join its runs and send updates; to "
+            "admit only your peers, create a key (p2p-cocodc keygen swarm.key) and pass "
+            "--swarm-key-file swarm.key here and to every join",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        print(
+            f"only holders of swarm key {membership.key_id} may publish here or take part in runs",
+            file=sys.stderr,
+            flush=True,
+        )
     if opts.host in WILDCARDS and not opts.announce:
         print(
             "note: no --announce: peers behind NAT may not reach the addresses above",

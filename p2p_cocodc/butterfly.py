@@ -4,14 +4,16 @@ A vector of ``numel`` fp32 values is averaged over M members like this:
 
 1. cut it into M slices on codec block edges (``slice_bounds``); member i owns slice i;
 2. every member encodes its slice j with the run's codec and sends it to member j (``encode_slices``);
-3. owner j decodes the M encodings of slice j, sums them in member order and divides by M
-   (``reduce_slice``, the same float operations wherever it runs), and encodes that mean;
-4. every member decodes the M encoded means and concatenates them (``assemble``).
+3. owner j decodes the M encodings of slice j, screens them and combines the members it keeps with
+   the run's aggregation rule (``reduce_slice``, ``algorithms/aggregation.py``: by default the sum in
+   member order divided by M, the same float operations wherever it runs), and encodes the result;
+4. every member decodes the M encoded results and concatenates them (``assemble``).
 
-Because a block codec quantizes each block on its own and slices end on block edges, this equals
-encoding the whole vector, averaging, and encoding the mean, bit for bit; ``butterfly_mean`` does
-all four steps in one process, which is what the simulator uses, so a swarm of M peers and the
-simulator with M workers agree exactly for every codec.
+Because a block codec quantizes each block on its own and slices end on block edges, the mean with
+nobody screened out equals encoding the whole vector, averaging, and encoding the mean, bit for
+bit. ``butterfly_mean`` does all four steps in one process, which is what the simulator uses, so a
+swarm of M peers and the simulator with M workers agree exactly for every codec and rule (screening
+and the robust rules work per slice: every owner judges its own slice).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from p2p_cocodc.codecs import Codec, mean_in_order
+from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation, aggregate
+from p2p_cocodc.codecs import Codec
 
 
 def slice_bounds(numel: int, parts: int, block: int) -> list[int]:
@@ -40,10 +43,15 @@ def encode_slices(vector: torch.Tensor, parts: int, codec: Codec) -> list[bytes]
     return [codec.encode(vector[bounds[j] : bounds[j + 1]]) for j in range(parts)]
 
 
-def reduce_slice(encoded: Sequence[bytes], numel: int, codec: Codec) -> bytes:
-    """Step 3: the owner's mean of one slice over every member's encoding, in member order,
-    encoded again. Raises UserError (from the codec) on a payload of the wrong size or non-finite."""
-    return codec.encode(mean_in_order([codec.decode(data, numel) for data in encoded]))
+def reduce_slice(
+    encoded: Sequence[bytes], numel: int, codec: Codec, aggregation: Aggregation = MEAN
+) -> tuple[bytes, tuple[int, ...]]:
+    """Step 3: the owner's aggregate of one slice over every member's encoding, encoded again, and the
+    members (positions in ``encoded``) screened out of it as outliers. With nobody screened out, the
+    mean is the sum in member order divided by M. Raises UserError (from the codec) on a payload of
+    the wrong size or non-finite."""
+    value, excluded = aggregate([codec.decode(data, numel) for data in encoded], aggregation)
+    return codec.encode(value), excluded
 
 
 def assemble(means: Sequence[bytes], sizes: Sequence[int], codec: Codec) -> torch.Tensor:
@@ -51,13 +59,17 @@ def assemble(means: Sequence[bytes], sizes: Sequence[int], codec: Codec) -> torc
     return torch.cat([codec.decode(data, n) for data, n in zip(means, sizes, strict=True)])
 
 
-def butterfly_mean(vectors: Sequence[torch.Tensor], codec: Codec) -> torch.Tensor:
-    """What every member of a butterfly all-reduce ends with, computed in one process."""
+def butterfly_mean(
+    vectors: Sequence[torch.Tensor], codec: Codec, aggregation: Aggregation = MEAN
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """What every member of a butterfly all-reduce ends with, computed in one process, and the
+    members (positions in ``vectors``) screened out of any slice, ascending."""
     if len(vectors) == 1:
-        return vectors[0].clone()
+        return vectors[0].clone(), ()
     members = len(vectors)
     numel = vectors[0].numel()
     sizes = slice_sizes(numel, members, codec.block)
     encoded = [encode_slices(v, members, codec) for v in vectors]
-    means = [reduce_slice([e[j] for e in encoded], sizes[j], codec) for j in range(members)]
-    return assemble(means, sizes, codec)
+    reduced = [reduce_slice([e[j] for e in encoded], sizes[j], codec, aggregation) for j in range(members)]
+    excluded = sorted({i for _, out in reduced for i in out})
+    return assemble([data for data, _ in reduced], sizes, codec), tuple(excluded)

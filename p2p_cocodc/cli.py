@@ -174,6 +174,12 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     help="private key file, created if missing: a restarted peer keeps its id (default: a new id each run)",
 )
 @click.option(
+    "--swarm-key-file",
+    default=None,
+    metavar="FILE",
+    help="admit only holders of this key (made by `p2p-cocodc keygen`) [default: an open run]",
+)
+@click.option(
     "--wait-peers", type=float, default=None, help="seconds to wait for --workers peers [default: 300]"
 )
 @click.option(
@@ -231,6 +237,26 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
         f"{summary['bytes_sent'] / 1e6:.2f} MB sent, stalled {summary['stall_s']:.1f} s of "
         f"{summary['wall_time_s']:.1f} s{skipped}; θ̄ sha256 {summary['global_params_sha256'][:16]}"
     )
+    culprits = (
+        ("left out of the mean as outliers", "outliers"),
+        ("refused", "refused"),
+        ("sent forged member lists", "accused"),
+    )
+    for what, tally in culprits:
+        if summary[tally]:
+            named = ", ".join(f"{peer} ({count}×)" for peer, count in summary[tally].items())
+            click.echo(f"warning: {what}: {named}", err=True)
+    if summary["theta_behind_step"] is not None:
+        raise UserError(
+            f"θ̄ after step {summary['theta_behind_step']} differs from the one a majority of the peers hold, "
+            "and the run ended before this peer could take theirs: its result is not the swarm's"
+        )
+    if summary["theta_unsettled_step"] is not None:
+        raise UserError(
+            f"θ̄ after step {summary['theta_unsettled_step']} differs between this peer and "
+            f"{', '.join(summary['theta_disputed'])}, and no majority of the peers tells which one is the "
+            "swarm's: this run did not stay synchronised"
+        )
 
 
 def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
@@ -278,6 +304,12 @@ def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
 @click.option(
     "--refresh", type=float, default=1.0, show_default=True, help="seconds between reads of swarm status"
 )
+@click.option(
+    "--swarm-key-file",
+    default=None,
+    metavar="FILE",
+    help="accept records only from holders of this key (made by `p2p-cocodc keygen`) [default: open]",
+)
 def bootstrap(
     identity: str,
     host: str,
@@ -287,6 +319,7 @@ def bootstrap(
     status_host: str | None,
     status_port: int,
     refresh: float,
+    swarm_key_file: str | None,
 ) -> None:
     """Run the swarm's bootstrap node: the DHT address peers join through, plus a status page."""
     from p2p_cocodc.bootstrap import BootstrapOptions, run_bootstrap
@@ -300,6 +333,7 @@ def bootstrap(
         status_host=status_host,
         status_port=status_port,
         refresh_s=refresh,
+        swarm_key_file=swarm_key_file,
     )
     code = run_bootstrap(opts)
     if code:
@@ -346,6 +380,18 @@ def demo(peers: int, workdir: str | None, quiet: bool, **training: Any) -> None:
     from p2p_cocodc.demo import run_demo
 
     click.echo(run_demo(peers, training, workdir, quiet))
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="replace an existing key (holders of the old one are shut out)")
+def keygen(path: str, force: bool) -> None:
+    """Create a swarm key file: give it (over a safe channel) to every peer and the bootstrap with
+    --swarm-key-file, and only they can take part in your runs."""
+    from p2p_cocodc.swarm.trust import keygen as write_key
+
+    key_id = write_key(path, force)
+    click.echo(f"wrote swarm key {key_id} to {path} (mode 600); pass --swarm-key-file {path} to every peer")
 
 
 @cli.command()

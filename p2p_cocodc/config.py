@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.names import ALGORITHMS, CODEC_NAMES, DC_RULES, PRECISIONS, TOKENIZERS
+from p2p_cocodc.names import AGGREGATES, ALGORITHMS, CODEC_NAMES, DC_RULES, PRECISIONS, TOKENIZERS
 
 if TYPE_CHECKING:  # the settings classes live with torch code: imported when first built, not for --help
+    from p2p_cocodc.algorithms.aggregation import Aggregation
     from p2p_cocodc.algorithms.inner import InnerSettings
     from p2p_cocodc.algorithms.strategies import AlgoSettings
 
@@ -79,6 +80,18 @@ class TrainConfig:
     gap_penalty: float = _opt(1.0, "CO2 staleness gap penalty Λ: outer gradient divided by Λ")
     momentum_clip: float | None = _opt(None, "CO2 outer-momentum clipping φ (default off)")
     codec: str = _opt("fp32", "wire format of exchanged outer gradients", CODEC_NAMES)
+    # what the owner of a butterfly slice makes of its members' slices (docs/algorithms.md)
+    aggregate: str = _opt(
+        "mean", "how each slice owner combines the members it keeps after screening", AGGREGATES
+    )
+    outlier_norm: float = _opt(
+        4.0, "screening (3+ members): leave out a slice longer than this × the members' median norm"
+    )
+    outlier_cosine: float = _opt(
+        0.0,
+        "screening (3+ members): leave out a slice whose cosine to the coordinate-wise median is "
+        "below this (-1: no cosine test)",
+    )
     # inner optimizer
     lr: float = _opt(1e-3, "inner AdamW peak learning rate")
     warmup: int = _opt(50, "inner LR warmup steps")
@@ -184,6 +197,24 @@ class TrainConfig:
         for name, value in asdict(self).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"--{_dash(name)} must be a finite number, got {value}")
+        if not self.outlier_norm >= 1:
+            raise UserError(
+                f"--outlier-norm must be ≥ 1 (a multiple of the median norm), got {self.outlier_norm}"
+            )
+        if not -1 <= self.outlier_cosine < 1:
+            raise UserError(
+                f"--outlier-cosine must be in [-1, 1) (-1: no cosine test), got {self.outlier_cosine}"
+            )
+        changed = [
+            n
+            for n in ("aggregate", "outlier_norm", "outlier_cosine")
+            if getattr(self, n) != FIELDS[n].default
+        ]
+        if self.algo == "ddp" and changed:
+            raise UserError(
+                f"--{_dash(changed[0])} applies to outer gradients: ddp averages every step's gradients "
+                "as they are (too noisy to screen); leave it out"
+            )
         if self.algo == "cocodc" and self.transmissions is None and self.fragments > self.inner_steps:
             raise UserError(
                 f"--fragments {self.fragments} must be ≤ --inner-steps {self.inner_steps} for cocodc "
@@ -239,6 +270,19 @@ class TrainConfig:
                 gap_penalty=self.gap_penalty,
                 momentum_clip=self.momentum_clip,
             ),
+        )
+
+    def aggregation(self) -> Aggregation:
+        """How slice owners screen and combine the members' slices (``algorithms/aggregation.py``);
+        ddp's rounds average one step's gradients, which vary too much from worker to worker to tell an
+        outlier (honest ones measured 11× the median norm, cosine −0.29): the plain mean, unscreened."""
+        from p2p_cocodc.algorithms.aggregation import Aggregation
+
+        return Aggregation(
+            rule=self.aggregate,
+            outlier_norm=self.outlier_norm,
+            outlier_cosine=self.outlier_cosine,
+            screening=self.algo != "ddp",
         )
 
     def inner_settings(self) -> InnerSettings:

@@ -47,6 +47,7 @@ def run_demo(peers: int, training: dict[str, Any], workdir: str | None, quiet: b
     is stopped on the way out, whatever happens; Ctrl-C and SIGTERM arrive here as KeyboardInterrupt.
     """
     from p2p_cocodc.config import build_config
+    from p2p_cocodc.swarm.trust import keygen
 
     options = {k: v for k, v in training.items() if v is not None}
     build_config({}, {**options, "workers": peers})  # a bad value fails now, not in N peer logs
@@ -57,10 +58,13 @@ def run_demo(peers: int, training: dict[str, Any], workdir: str | None, quiet: b
     with _sigterm_as_interrupt():
         try:
             port, status_port = _free_ports(2)
-            boot = procs.spawn("bootstrap", _bootstrap_args(work, port, status_port), work / "bootstrap.log")
+            key = work / "swarm.key"  # the demo's swarm admits only its own peers
+            keygen(str(key), force=True)
+            boot_args = _bootstrap_args(work, port, status_port) + ["--swarm-key-file", str(key)]
+            boot = procs.spawn("bootstrap", boot_args, work / "bootstrap.log")
             click.echo(f"bootstrap on {HOST}:{port}, status http://{HOST}:{status_port}/status", err=True)
             _wait_for_address(boot, work / "bootstrap.json")
-            join_args = _join_args(options, peers, status_port)
+            join_args = _join_args(options, peers, status_port) + ["--swarm-key-file", str(key)]
             for i in range(peers):
                 out = work / f"peer{i}.jsonl"
                 args = ["join", *join_args, "--shard", f"{i}/{peers}", "--out", str(out)]

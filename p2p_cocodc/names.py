@@ -5,6 +5,8 @@ these tuples, so each name is written once."""
 ALGORITHMS = ("ddp", "diloco", "streaming", "cocodc")
 DC_RULES = ("tensor", "step")
 CODEC_NAMES = ("fp32", "bf16", "int8", "fp4")
+# how the owner of a butterfly slice combines its members' slices (algorithms/aggregation.py)
+AGGREGATES = ("mean", "trimmed-mean", "centered-clip")
 TOKENIZERS = ("bpe4096", "byte")
 HF_PREFIX = "hf:"  # --model hf:PATH_OR_NAME: a Hugging Face causal LM (p2p_cocodc.hf)
 PRECISIONS = ("fp32", "bf16")

@@ -17,6 +17,7 @@ import logging
 import math
 import signal
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,12 +33,14 @@ from p2p_cocodc.config import TrainConfig
 from p2p_cocodc.devices import HostCopy, peak_memory_bytes
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.hf import model_identity
-from p2p_cocodc.metrics import RunLog
+from p2p_cocodc.metrics import RunLog, params_sha256
 from p2p_cocodc.region import Region
-from p2p_cocodc.swarm.dht import check_identity, p2pd_socket, parse_bootstrap, start_dht, stop_dht
+from p2p_cocodc.swarm.agreement import Agreement, Verdict
+from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
-from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
+from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id, peers_key
 from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
+from p2p_cocodc.swarm.trust import Membership, check_identity
 from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, summary_record
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,7 @@ class SwarmOptions:
     announce: str | None = None
     shard: tuple[int, int] | None = None
     identity: str | None = None
+    swarm_key_file: str | None = None
     wait_peers_s: float = 300.0
     round_timeout_s: float = 60.0
     heartbeat_s: float = 1.0
@@ -91,6 +95,7 @@ SWARM_KEYS = {
     "announce": str,
     "shard": str,
     "identity": str,
+    "swarm_key_file": str,
     "wait_peers": float,
     "round_timeout": float,
     "pace": str,
@@ -131,7 +136,8 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def fingerprint(setup: TrainingSetup, settings: AlgoSettings) -> str:
-    """What every peer of a run must share: algorithm, optimizers, model, data, codec, M."""
+    """What every peer of a run must share: algorithm, optimizers, model, data, codec, how slices are
+    screened and combined, M."""
     cfg = setup.cfg
     digest = hashlib.sha256(setup.tokens.train.numpy().tobytes()).hexdigest()[:16]
     shared = {
@@ -144,6 +150,7 @@ def fingerprint(setup: TrainingSetup, settings: AlgoSettings) -> str:
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
         "codec": cfg.codec,
+        "aggregation": asdict(cfg.aggregation()),
         "workers": cfg.workers,
         "data_shards": cfg.data_shards,
     }
@@ -170,6 +177,7 @@ class Peer:
                 f"--shard {opts.shard[0]}/{opts.shard[1]}: N must equal --max-peers {cfg.data_shards} "
                 "(the number of shards the run's data is cut into; by default --workers)"
             )
+        self.membership = Membership.from_file(opts.swarm_key_file)  # before any slow work
         self.cfg = cfg
         self.opts = opts
         self.region = region  # rank 0 of a region of several processes (torchrun): ``region.py``
@@ -204,6 +212,11 @@ class Peer:
         self.joined_at = 0  # the step whose end this peer took the swarm's state at (0: started the run)
         self.resyncs = 0  # times this peer took the state again after it fell out of the swarm
         self.joins_recorded: set[tuple[str, int]] = set()  # (peer, joined_at) written to --out
+        self.agreement = Agreement()  # this peer's θ̄ digests, compared with the others' (swarm/agreement.py)
+        self.disputed: dict[str, int] = {}  # peer -> the latest step where its θ̄ differed from ours
+        self.distrusted: set[str] = set()  # peers whose θ̄ split off from the majority's: never donors
+        self.split_from: Verdict | None = None  # a majority holds another θ̄: take the swarm's state
+        self.unsettled: Verdict | None = None  # the latest disagreement no majority could settle
         self.written: list[dict[str, Any]] = []  # every record written to --out (checkpoints keep them)
         data = self.setup.data_sha256() if cfg.checkpoint_dir is not None else ""  # hashes every token
         self.checkpoints = (
@@ -228,8 +241,23 @@ class Peer:
         if self.opts.identity is not None:
             check_identity(self.opts.identity)
         initial = await asyncio.to_thread(parse_bootstrap, self.opts.bootstrap)
+        if self.membership.is_open:
+            log.warning(
+                "run %r is open: any peer that reaches the bootstrap may join it and send updates; to admit "
+                "only your peers, create a key (p2p-cocodc keygen swarm.key) and give every peer "
+                "--swarm-key-file swarm.key",
+                self.opts.run_id,
+            )
         # Created on the main thread: the at-fork death signal is tied to the forking thread.
-        dht = start_dht(initial, self.opts.host, self.opts.port, self.opts.announce, self.opts.identity)
+        dht = start_dht(
+            initial,
+            self.opts.host,
+            self.opts.port,
+            self.opts.announce,
+            self.opts.identity,
+            self.membership,
+            protected=[peers_key(self.opts.run_id)],
+        )
         daemon_socket = p2pd_socket(dht)
         p2p = None
         try:
@@ -252,12 +280,20 @@ class Peer:
                 record_ttl_s=board.ttl_s,
                 link_mbps=self.cfg.bandwidth_mbps,
                 round_bytes=self._round_bytes(),
+                key_id=self.membership.key_id,
+                max_frame=self._max_message_bytes(),
+                aggregation=self.cfg.aggregation(),
             )
             self.exchange.set_joining(under_way)
             await self.exchange.start()
             if isinstance(self.strategy, Strategy):
                 self.state_server = StateServer(
-                    p2p, self.opts.run_id, self.fingerprint, lambda: self.step, self._shared_state
+                    p2p,
+                    self.opts.run_id,
+                    self.fingerprint,
+                    lambda: self.step,
+                    self._shared_state,
+                    admits=self._is_member,
                 )
                 await self.state_server.start()
             if under_way:
@@ -307,7 +343,11 @@ class Peer:
                 return
             except ConnectionError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    raise UserError(
+                        f"no other DHT node took this peer's record in {FIRST_PUBLISH_S:.0f} s ({exc}): "
+                        "nodes that require a swarm key refuse records without it; check --swarm-key-file "
+                        f"(this peer: {self.membership.key_id})"
+                    ) from None
                 log.info("first board publish failed (%s); trying again", exc)
                 await asyncio.sleep(self.opts.heartbeat_s)
 
@@ -363,7 +403,31 @@ class Peer:
             bytes_sent=ex.stats.bytes_sent if ex else 0,
             joined_at=self.joined_at,
             resume_step=self.resume.step if self.resume is not None else -1,
+            key_id=self.membership.key_id,
+            refused=self._refused(),
+            outliers=dict(ex.outliers.most_common(4)) if ex else {},
+            theta_step=self.agreement.latest()[0],
+            theta_sha=self.agreement.latest()[1],
         )
+
+    def _refused(self, count: int = 4) -> dict[str, int]:
+        """The peers this peer refused most (non-members, limits exceeded), by its exchange and its
+        state server: what its record and summary name."""
+        tally: Counter[str] = Counter()
+        for server in (self.exchange, self.state_server):
+            if server is not None:
+                tally += server.limiter.refused
+        return dict(tally.most_common(count))
+
+    def _same_run(self, record: PeerRecord) -> bool:
+        """A record of a peer of this run: our configuration, and our swarm key (or none, both)."""
+        return record.fingerprint == self.fingerprint and record.key_id == self.membership.key_id
+
+    def _is_member(self, peer: str) -> bool:
+        """Whether ``peer`` may take part: its record is on our board (the DHT stored and returned it
+        only with a valid signature, and a membership proof when the run has a key), for this run."""
+        record = self.view.get(peer)
+        return record is not None and self._same_run(record)
 
     async def _refresh(self, board: Board, publish: bool = True, read: bool = True) -> None:
         """Publish this peer's record and update the view of the others. A peer stays in the view
@@ -377,12 +441,38 @@ class Peer:
             return
         fresh = await board.peers()
         for peer, record in fresh.items():
-            if record.fingerprint == self.fingerprint and record.state in ("training", "leaving", "done"):
+            if self._same_run(record) and record.state in ("training", "leaving", "done"):
                 self._record_join(peer, record.joined_at, record.shard)
         now = time.monotonic()
         self.last_seen.update(dict.fromkeys(fresh, now))
         view = {**self.view, **fresh}
         self.view = {p: r for p, r in view.items() if now - self.last_seen[p] <= max(board.ttl_s, r.ttl_s)}
+        self._compare_theta()
+
+    def _compare_theta(self) -> None:
+        """Compare our θ̄ digests with those on the board: name the peers that disagree, and take the
+        swarm's state again when a strict majority holds another θ̄ (``swarm/agreement.py``)."""
+        others = {
+            p: (r.theta_step, r.theta_sha)
+            for p, r in self.view.items()
+            if p != self.peer_id and self._same_run(r) and r.theta_step >= 0 and r.state != "joining"
+        }
+        for verdict in self.agreement.compare(others):
+            new = [p for p in verdict.disputed if self.disputed.get(p, -1) < verdict.step]
+            for peer in verdict.disputed:
+                self.disputed[peer] = verdict.step
+            if verdict.behind:
+                self.split_from = verdict
+                outcome = "a majority holds another θ̄: this peer takes the swarm's state again"
+            elif verdict.settled:
+                self.distrusted.update(verdict.disputed)  # split off from the majority: never a donor
+                outcome = "a majority holds this peer's θ̄"
+            else:
+                outcome = "no majority: nobody can tell which θ̄ is the swarm's"
+            self.unsettled = None if verdict.settled else verdict
+            if new:
+                who = ", ".join(p[:12] for p in new)
+                log.warning("θ̄ after step %d differs here and on %s (%s)", verdict.step, who, outcome)
 
     async def _heartbeat(self, board: Board) -> None:
         """Keep this peer on the board and its view fresh without ever waiting on a slow DHT call.
@@ -453,6 +543,14 @@ class Peer:
                     task.cancel()
             log.info("notice board: %s", board.stats())
 
+    def _check_split(self) -> None:
+        if self.split_from is not None:
+            verdict, self.split_from = self.split_from, None
+            raise Resync(
+                f"θ̄ after step {verdict.step} differs from the one a majority of the peers hold (this "
+                f"peer's disagrees with {', '.join(p[:12] for p in verdict.disputed)})"
+            )
+
     def _check_swarm(self) -> None:
         """Raise what ended the heartbeat or the lapse watchdog (they end only with an error)."""
         for task in (self.heartbeat, self.watchdog):
@@ -469,13 +567,8 @@ class Peer:
         deadline = time.monotonic() + self.opts.wait_peers_s
         first_step: dict[str, int] = {}  # peer -> the step its record showed when first read here
         while True:
-            same = {p: r for p, r in self.view.items() if r.fingerprint == self.fingerprint}
-            for peer, record in self.view.items():
-                if record.fingerprint != self.fingerprint and record.state in ("waiting", "training"):
-                    raise UserError(
-                        f"peer {peer[:12]} of run {self.opts.run_id!r} uses a different configuration: "
-                        "start every peer with the same options (or profile), or pick another --run-id"
-                    )
+            same = {p: r for p, r in self.view.items() if self._same_run(r)}
+            self._check_not_odd_one_out(same)
             # our own record may be a stale one of this identity's previous process: not a peer;
             # a peer that resumed from its checkpoint of step C waits at C for the others to resume
             training = {p: r for p, r in same.items() if r.state == "training" and p != self.peer_id}
@@ -514,6 +607,28 @@ class Peer:
                 return False
             self._check_wait(stop, deadline, f"only {len(live)} of --workers {self.cfg.workers} peers joined")
             await asyncio.sleep(0.2)
+
+    def _check_not_odd_one_out(self, same: dict[str, PeerRecord]) -> None:
+        """Stop with one line when every other peer of this run id has another configuration or
+        another swarm key; when some share ours, the others are ignored (a stranger's record must
+        not stop a run, and in a keyed run the DHT does not even store it)."""
+        others = {
+            p: r for p, r in self.view.items() if p != self.peer_id and r.state in ("waiting", "training")
+        }
+        if not others or same.keys() - {self.peer_id}:
+            return
+        keys = sorted({r.key_id for r in others.values()} - {self.membership.key_id})
+        run = self.opts.run_id
+        if keys and self.membership.is_open:  # a keyed peer's DHT never returns an open peer's record
+            raise UserError(
+                f"run {run!r} requires a swarm key (key id {keys[0]}): pass --swarm-key-file with the key "
+                "file its owner created (p2p-cocodc keygen), or pick another --run-id"
+            )
+        peer = sorted(others)[0]
+        raise UserError(
+            f"peer {peer[:12]} of run {run!r} uses a different configuration: start every peer with the "
+            "same options (or profile), or pick another --run-id"
+        )
 
     def _resume_with(self, live: list[str], records: dict[str, PeerRecord]) -> None:
         """A whole swarm restarted with --resume: every peer goes on from the newest step all of them
@@ -606,6 +721,8 @@ class Peer:
         assert isinstance(self.strategy, Strategy) and self.exchange is not None
         self.state = "joining"
         self.exchange.set_joining(True)
+        self.agreement.forget()  # its θ̄ is about to be replaced by the swarm's
+        self.split_from = self.unsettled = None
         if self.state_server is not None:
             self.state_server.serving = False  # our state is behind: never hand it to a joiner
         for task in self.pending.values():
@@ -619,13 +736,16 @@ class Peer:
                 (
                     p
                     for p, r in self.view.items()
-                    if p != self.peer_id and r.fingerprint == self.fingerprint and r.state == "training"
+                    if p != self.peer_id
+                    and self._same_run(r)
+                    and r.state == "training"
+                    and p not in self.distrusted
                 ),
                 key=lambda p: (-self.view[p].step, p),
             )[:DONORS]
             if donors:
                 break
-            if any(r.state == "done" and r.fingerprint == self.fingerprint for r in self.view.values()):
+            if any(r.state == "done" and self._same_run(r) for r in self.view.values()):
                 raise UserError(
                     f"run {self.opts.run_id!r} has finished without this peer: no peer trains any more to "
                     "take the swarm's state from"
@@ -677,13 +797,21 @@ class Peer:
             len(self.pending),
         )
 
+    def _largest_round(self) -> int:
+        """Values averaged in the largest round: the largest fragment (ddp: the whole model)."""
+        if isinstance(self.strategy, Strategy):
+            return max(outer.global_params.numel() for outer in self.strategy.outer)
+        return self.setup.num_params
+
     def _round_bytes(self) -> int:
         """What this peer sends in the largest round: a butterfly over up to --max-peers members."""
-        if isinstance(self.strategy, Strategy):
-            numel = max(outer.global_params.numel() for outer in self.strategy.outer)
-        else:
-            numel = self.setup.num_params
-        return allreduce_wire_bytes(self.setup.codec, numel, self.cfg.data_shards)
+        return allreduce_wire_bytes(self.setup.codec, self._largest_round(), self.cfg.data_shards)
+
+    def _max_message_bytes(self) -> int:
+        """The largest message of the run: the largest round's average in fp32 (a FETCH answer), or
+        a slice of it encoded with the run's codec, plus room for the message's other fields."""
+        numel = self._largest_round()
+        return max(4 * numel, self.setup.codec.wire_bytes(numel)) + 64 * 1024
 
     def _shared_state(self) -> dict[str, Any]:
         """A copy of what every live peer holds identically now, for a joiner (a step boundary)."""
@@ -709,9 +837,7 @@ class Peer:
         """Start step 1 only once every peer shows 'training': then all agree on each round's leader."""
         deadline = time.monotonic() + self.opts.wait_peers_s
         while True:
-            training = [
-                r for r in self.view.values() if r.fingerprint == self.fingerprint and r.state == "training"
-            ]
+            training = [r for r in self.view.values() if self._same_run(r) and r.state == "training"]
             if len(training) >= self.cfg.workers:
                 return
             self._check_wait(stop, deadline, f"only {len(training)} of {self.cfg.workers} peers started")
@@ -785,6 +911,7 @@ class Peer:
             step = self.step + 1
             try:
                 self._check_swarm()
+                self._check_split()
                 t0 = time.perf_counter()
                 train_losses.append(await self._inner_step(step, *shard.batch(step - 1)))
                 elapsed = time.perf_counter() - t0
@@ -834,6 +961,13 @@ class Peer:
             resyncs=self.resyncs,
             state_copy_s=self.state_server.copy_s if self.state_server else 0.0,
             send_spacing=self._send_spacing(),
+            key_id=self.membership.key_id,
+            refused=self._refused(count=16),
+            outliers=dict(self.exchange.outliers.most_common(16)),
+            accused=dict(self.exchange.accused.most_common(16)),
+            theta_disputed=dict(self.disputed),
+            theta_unsettled_step=self.unsettled.step if self.unsettled is not None else None,
+            theta_behind_step=self.split_from.step if self.split_from is not None else None,
         )
         self._log(summary)
         self.run_log = None  # the summary stays the last record: joins seen after it are not written
@@ -1029,6 +1163,7 @@ class Peer:
         record = await self._in_train_thread(
             self.setup.eval_record, self.eval_model, state, step, self.cfg.workers
         )
+        self.agreement.record(step, await self._in_train_thread(params_sha256, state))
         self.eval_s += time.perf_counter() - eval_started
         record.update(
             wall_time_s=time.perf_counter() - started,

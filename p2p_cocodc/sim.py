@@ -75,6 +75,10 @@ class Simulation:
     With --events, the replicas are those the swarm run recorded, by data shard, each from the
     step it joined at.
 
+    Besides the evaluations and the summary, a round whose slice owners screened members out
+    (``--aggregate``, docs/algorithms.md) writes ``{"kind": "exclusion", "round": "f2:96", "step":
+    96, "excluded": [3]}``: the data shards left out of at least one slice of its average.
+
     ``step_time`` replaces the configured or measured seconds per inner step (a resumed run keeps
     the interrupted run's, so that ``--overlap auto`` resolves the same)."""
 
@@ -83,6 +87,7 @@ class Simulation:
         self.setup = setup = TrainingSetup(cfg)
         self.num_params = setup.num_params
         self.codec = setup.codec
+        self.aggregation = cfg.aggregation()
         self.link = Link(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6)
         if step_time is None:
             step_time = setup.step_time() if setup.needs_step_time() else cfg.step_time
@@ -108,7 +113,8 @@ class Simulation:
         self.bytes_sent = 0
         self.pending: dict[int, PendingResult] = {}
         self.train_losses: list[float] = []  # since the last evaluation
-        self.records: list[dict[str, Any]] = []  # every eval record so far
+        self.records: list[dict[str, Any]] = []  # every record written so far but the summary
+        self.exclusions: list[tuple[str, list[int]]] = []  # this step's rounds that left shards out
 
     @classmethod
     def resumed(cls, cfg: TrainConfig, checkpoint: Checkpoint) -> Simulation:
@@ -153,6 +159,7 @@ class Simulation:
                 self._send(step)
                 self._apply_due(step)
                 self._take_joiners(step)
+            self._write_exclusions(step, log)
             self.step = step
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 record = self._evaluate(step, log)
@@ -173,11 +180,12 @@ class Simulation:
                 raise Stopped(
                     f"stopped by {received.name} after step {step} of {cfg.steps}: {how}", 128 + received
                 )
+        evals = [record for record in self.records if record["kind"] == "eval"]
         summary = summary_record(
             self.setup,
             self.settings,
-            self.records[0],
-            self.records[-1],
+            evals[0],
+            evals[-1],
             self.global_state(),
             bytes_sent=self.bytes_sent,
             stall_s=self.stall,
@@ -263,8 +271,9 @@ class Simulation:
         return record.pace if record is not None else 0
 
     def _average(self, round_id: str, payloads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, int]:
-        """A round's average of the payloads by data shard (None if it failed) and the bytes one
-        replica's link carried."""
+        """A round's aggregate of the payloads by data shard (None if it failed) and the bytes one
+        replica's link carried; the data shards its slice owners screened out are kept for an
+        exclusion record."""
         try:
             group = self._group(round_id)
         except KeyError:
@@ -277,7 +286,9 @@ class Simulation:
                 f"--events {self.cfg.events}: round {round_id} averages data shard {missing[0]}, which no "
                 "join record starts before it"
             )
-        averaged = butterfly_mean([payloads[i] for i in group], self.codec)
+        averaged, excluded = butterfly_mean([payloads[i] for i in group], self.codec, self.aggregation)
+        if excluded:
+            self.exclusions.append((round_id, [group[i] for i in excluded]))
         return averaged, allreduce_wire_bytes(self.codec, averaged.numel(), len(group))
 
     def _send(self, step: int) -> None:
@@ -305,6 +316,14 @@ class Simulation:
                     s.abandon(p)
                 else:
                     s.apply(p, result.averaged, step, spacing=result.spacing)
+
+    def _write_exclusions(self, step: int, log: RunLog) -> None:
+        """The exclusion records of the rounds averaged after ``step``."""
+        for round_id, shards in self.exclusions:
+            record = {"kind": "exclusion", "round": round_id, "step": step, "excluded": shards}
+            log.write(record)
+            self.records.append(record)
+        self.exclusions.clear()
 
     # ---- evaluation ----
 

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 CLI = [sys.executable, "-m", "p2p_cocodc"]
+HOSTILE = [sys.executable, "-m", "tests.hostile_peer"]  # a member with one behaviour changed: + MODES
+REPO = Path(__file__).resolve().parent.parent
 # One torch thread per process: several peers share 2 cores here.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
 
 
 def free_port() -> int:
@@ -38,12 +40,20 @@ def run_cli(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedP
     return subprocess.run(CLI + args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def spawn(args: list[str], cwd: Path, log_name: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
-    """``p2p-cocodc ARGS`` in its own process group, output to ``log_name``; ``prefix`` runs it
-    through a command such as ``ip netns exec NS`` (which execs it: the group stays the same)."""
+def spawn(
+    args: list[str], cwd: Path, log_name: str, prefix: Sequence[str] = (), command: Sequence[str] = CLI
+) -> subprocess.Popen:
+    """``p2p-cocodc ARGS`` (or ``command`` ARGS) in its own process group, output to ``log_name``;
+    ``prefix`` runs it through a command such as ``ip netns exec NS`` (which execs it: the group
+    stays the same)."""
     log = open(cwd / log_name, "w")  # noqa: SIM115 - the process owns it until it ends
     return subprocess.Popen(
-        [*prefix, *CLI, *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
+        [*prefix, *command, *args],
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        start_new_session=True,
     )
 
 
@@ -140,7 +150,9 @@ class Bootstrap:
     host_port: str
 
 
-def start_bootstrap(cwd: Path, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Bootstrap:
+def start_bootstrap(
+    cwd: Path, host: str = "127.0.0.1", prefix: Sequence[str] = (), extra: Sequence[str] = ()
+) -> Bootstrap:
     status_port = free_port()
     proc = spawn(
         [
@@ -155,6 +167,7 @@ def start_bootstrap(cwd: Path, host: str = "127.0.0.1", prefix: Sequence[str] = 
             str(cwd / "bootstrap.id"),
             "--address-file",
             str(cwd / "bootstrap.json"),
+            *extra,
         ],
         cwd,
         "bootstrap.log",

@@ -33,13 +33,14 @@ def test_the_limit_is_hiveminds_own_request_path() -> None:
 
 
 def test_a_record_carries_its_lifetime_and_another_node_holds_it(dhts) -> None:
-    writer, reader = Board(dhts[1], "r", "me", ttl_s=8), Board(dhts[2], "r", "other", ttl_s=8)
+    me, other = (d.peer_id.to_base58() for d in dhts[1:3])  # a record's subkey is its writer's id
+    writer, reader = Board(dhts[1], "r", me, ttl_s=8), Board(dhts[2], "r", other, ttl_s=8)
 
     async def main() -> dict[str, PeerRecord]:
         await writer.publish(record(), {"algo": "cocodc"})
         return await reader.peers()
 
-    assert asyncio.run(main()) == {"me": record(ttl_s=8)}
+    assert asyncio.run(main()) == {me: record(ttl_s=8)}
     assert writer.failed == 0 and writer.timeout == store_limit_s()
     assert len(repr(record(ttl_s=8).to_wire()).encode()) < 15 * 1024
 

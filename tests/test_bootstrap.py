@@ -157,6 +157,16 @@ def test_addresses_are_served_and_resolvable(boot: Bootstrap) -> None:
     assert code == 404 and "error" in missing
 
 
+def test_the_libp2p_port_given_for_the_status_port_gets_one_line_naming_both(boot: Bootstrap) -> None:
+    with pytest.raises(UserError, match="--status-port") as raised:
+        parse_bootstrap(f"127.0.0.1:{boot.port}")
+    assert "\n" not in str(raised.value)
+
+
+def test_an_open_bootstrap_says_so_at_start(boot: Bootstrap) -> None:
+    assert "open: any peer that reaches this bootstrap may join" in boot.output()[1]
+
+
 def test_status_shows_a_run_published_by_a_peer(boot: Bootstrap) -> None:
     maddrs = json.loads((boot.cwd / "bootstrap.json").read_text())["maddrs"]
     record = PeerRecord(
@@ -173,15 +183,14 @@ def test_status_shows_a_run_published_by_a_peer(boot: Bootstrap) -> None:
     )
     dht = start_dht(maddrs, "127.0.0.1", 0)
     socket_path = p2pd_socket(dht)
+    me = dht.peer_id.to_base58()  # a record's subkey is its writer's id
     try:
-        asyncio.run(
-            Board(dht, "r1", "x", ttl_s=30).publish(record, run_info={"algo": "cocodc", "workers": 2})
-        )
+        asyncio.run(Board(dht, "r1", me, ttl_s=30).publish(record, run_info={"algo": "cocodc", "workers": 2}))
         deadline = time.monotonic() + 20
         while True:
             code, status = boot.get("/status")
             assert code == 200
-            if "x" in status["runs"].get("r1", {}).get("peers", {}):
+            if me in status["runs"].get("r1", {}).get("peers", {}):
                 break
             assert time.monotonic() < deadline, f"run r1 never showed up: {status}"
             time.sleep(0.2)
@@ -191,7 +200,7 @@ def test_status_shows_a_run_published_by_a_peer(boot: Bootstrap) -> None:
     assert run["info"] == {"algo": "cocodc", "workers": 2}
     expected = record.to_wire()
     del expected["fingerprint"], expected["ttl_s"]  # /status leaves both out
-    assert run["peers"]["x"] == expected
+    assert run["peers"][me] == expected
     assert isinstance(status["updated_at"], float)
 
 

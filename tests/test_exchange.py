@@ -19,6 +19,7 @@ from p2p_cocodc.swarm import exchange as exchange_module
 from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
 from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, parse_members, parse_message
 from p2p_cocodc.swarm.records import PeerRecord
+from p2p_cocodc.swarm.round import leader_rank
 from p2p_cocodc.swarm.wire import BadMessage
 from tests.local_dhts import local_dhts
 
@@ -129,7 +130,7 @@ def test_a_peer_sending_payloads_of_the_wrong_size_fails_the_round_not_the_peer(
 def test_a_peer_left_out_of_a_round_takes_the_members_average(dhts) -> None:
     async def main():
         exchanges = await make_pair(dhts, timeout=0.5)
-        leader, late = sorted(exchanges, key=lambda ex: ex.peer_id)
+        leader, late = sorted(exchanges, key=lambda ex: leader_rank("late", ex.peer_id))
         try:
             # the leader waits its deadline for the other peer (the board says it is at the step),
             # probes it, and averages alone; the late peer then reaches the round, finds it was left
@@ -203,19 +204,48 @@ def test_stray_rounds_are_bounded_refused_and_forgotten(dhts, monkeypatch) -> No
     assert all(torch.equal(a, torch.ones(8)) for a in average)
 
 
-def test_a_stranger_can_open_only_a_few_rounds(dhts) -> None:
+def test_a_stranger_is_refused_and_counted_and_a_member_opens_only_so_many_rounds(dhts) -> None:
     async def main():
         exchanges = await make_pair(dhts)
+        target, member = exchanges
         stranger = await dhts[2].replicate_p2p()
         try:
-            for i in range(10):
-                await send(stranger, exchanges[0], Join(f"strange-{i}", 0, "fp"))
-            return len(exchanges[0].open)
+            for i in range(10):  # a peer with no record on the board: heard on nothing
+                await send(stranger, target, Join(f"strange-{i}", 0, "fp"))
+            opened_by_stranger = len(target.open)
+            limit = target.limiter.limits.open_rounds
+            for i in range(limit + 5):  # a member opening rounds without end
+                await send(member.p2p, target, Join(f"flood-{i}", 1, "fp"))
+            return opened_by_stranger, len(target.open), limit, target.limiter.refused, stranger.peer_id
         finally:
             await stop_all(exchanges)
             await stranger.shutdown()
 
-    assert asyncio.run(main()) == exchange_module.MAX_OPENED_BY_STRANGER
+    opened_by_stranger, opened, limit, refused, stranger_id = asyncio.run(main())
+    assert opened_by_stranger == 0
+    assert refused[stranger_id.to_base58()] == 10
+    assert opened == limit  # the member's rounds past the limit were refused, and counted
+    assert sum(refused.values()) == 10 + 5
+
+
+def test_a_frame_larger_than_the_runs_largest_message_is_refused_before_it_is_read(dhts) -> None:
+    async def main():
+        p2ps = [await d.replicate_p2p() for d in dhts[:2]]
+        ids = [p.peer_id.to_base58() for p in p2ps]
+        board = {peer: record(i) for i, peer in enumerate(ids)}
+        codec = get_codec("fp32")
+        target = FragmentExchange(p2ps[0], "t", codec, 0, "fp", lambda: board, 5.0, max_frame=1000)
+        await target.start()
+        try:
+            await send_raw(p2ps[1], target, (1001).to_bytes(4, "big") + b"x" * 16)
+            return target.stats.messages_rejected, target.limiter.buffered
+        finally:
+            await target.stop()
+            for p2p in p2ps:
+                await p2p.shutdown()
+
+    rejected, buffered = asyncio.run(main())
+    assert rejected == 1 and not buffered  # refused at the header: nothing held for it
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,9 @@ from collections.abc import Callable
 import torch
 
 from p2p_cocodc.codecs import get_codec
-from p2p_cocodc.swarm.messages import Code, Message, Part
+from p2p_cocodc.swarm.messages import Code, Group, Message, Part
 from p2p_cocodc.swarm.round import (
+    Accuse,
     BoardPeer,
     Completed,
     Compute,
@@ -25,11 +26,13 @@ from p2p_cocodc.swarm.round import (
     Start,
     Tick,
     ViewChanged,
+    leader_rank,
     run_job,
 )
 
 DL = Deadlines(round_s=10.0, resend_s=1.0, answer_s=6.0, heard_s=4.0)
 STEP = 5
+ROUND = "f0:5"
 
 
 class Net:
@@ -42,7 +45,7 @@ class Net:
         self.machines = {
             p: RoundMachine(
                 p,
-                "f0:5",
+                ROUND,
                 ids.index(p),
                 "fp",
                 self.codec,
@@ -96,7 +99,13 @@ def full(value: float, n: int = 300) -> torch.Tensor:
     return torch.full((n,), value)
 
 
-A, B, C = "peer-a", "peer-b", "peer-c"  # A < B < C: A is the leader whenever it is known
+def in_line(round_id: str, names: list[str]) -> list[str]:
+    """Peer ids in the order they are in line to lead ``round_id`` (``leader_rank``)."""
+    return sorted(names, key=lambda peer: leader_rank(round_id, peer))
+
+
+# A before B before C in line for the round: A is the leader whenever it is known
+A, B, C = in_line(ROUND, ["peer-a", "peer-b", "peer-c"])
 
 
 def test_three_peers_average_in_one_group_with_no_faults() -> None:
@@ -256,7 +265,7 @@ def test_a_slice_of_the_wrong_size_fails_the_round_on_every_member() -> None:
 def test_a_round_this_peer_has_not_reached_holds_no_stray_payload() -> None:
     net = Net({A: [B], B: [A]})
     members = ((A, 0), (B, 1))
-    net.feed(A, Received(B, Part("f0:5", members, 0, 0, 300, b"\x00" * 1200)))
+    net.feed(A, Received(B, Part(ROUND, members, 0, 0, 300, b"\x00" * 1200)))
     assert net.machines[A].parts == {} and not net.sent  # nothing held, nothing acknowledged
 
 
@@ -284,8 +293,24 @@ def test_a_restarted_member_answers_its_old_rounds_failed_at_once() -> None:
         net.start(peer, full(1.0))
     net.run(2)
     assert net.machines[A].members is not None and C not in net.outcomes
-    net.machines[C] = RoundMachine(C, "f0:5", 2, "fp", net.codec, DL, {A: BoardPeer(STEP, 0.01)}, net.now)
+    net.machines[C] = RoundMachine(C, ROUND, 2, "fp", net.codec, DL, {A: BoardPeer(STEP, 0.01)}, net.now)
     net.drop = lambda sender, to, message: False
     net.run(30, net.settled(A, B))
     assert all(isinstance(net.outcomes[p], Failed) for p in (A, B, C))
     assert max(net.settled_at[p] for p in (A, B)) < 2 + DL.answer_s  # not after C's silence
+
+
+def test_a_member_list_that_puts_this_peer_first_and_that_it_never_decided_is_refused() -> None:
+    # C hands B a group of B alone while B is forming (each peer would complete alone: θ̄ splits);
+    # B is first in line in that list, so only B itself could have decided it: B ignores it, names C,
+    # and the round completes in one honest group
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    net.start(B, full(2.0))
+    shard_b = sorted(net.machines).index(B)
+    effects = net.machines[B].handle(Received(C, Group(ROUND, ((B, shard_b),), 0)), net.now)
+    assert [e.peer for e in effects if isinstance(e, Accuse)] == [C]
+    assert net.machines[B].members is None
+    net.start(A, full(4.0))
+    net.start(C, full(6.0))
+    net.run(30, net.settled(A, B, C))
+    assert all(torch.equal(o.average, full(4.0)) for o in net.outcomes.values())  # type: ignore[union-attr]

@@ -84,9 +84,25 @@ class PacesByItself(RoundMachine):
         super()._adopt(members, self.wish or pace, now, out, how)
 
 
+class ObserverConcludesAtOnce(RoundMachine):
+    """An observer fails the round as soon as the peers on its (lagging) board have no average."""
+
+    def _may_conclude(self, now: float) -> bool:
+        return True
+
+
 VARIANTS: dict[str, type[RoundMachine]] = {
     cls.__name__: cls for cls in (DeliversOnlyToLivePeers, TakesBusyForFinal, PacesByItself)
 }
+
+
+@pytest.mark.parametrize(
+    ("seed", "variant"),
+    [(5022, ObserverConcludesAtOnce)],  # found when leaders became a hash of round and id
+)
+def test_schedules_that_found_a_bug_pass_and_fail_without_its_fix(seed: int, variant: type) -> None:
+    assert not explore(seed)[0].violation
+    assert explore(seed, variant)[0].violation
 
 
 def first_violation(variant: str, limit: int) -> tuple[int, str] | None:

@@ -8,6 +8,7 @@ to reach a bootstrap turned into one clear line instead of a hang or a traceback
 from __future__ import annotations
 
 import ctypes
+import http.client
 import json
 import logging
 import os
@@ -16,11 +17,13 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.swarm.trust import BoardValidator, EphemeralIdentity, Identity, Membership
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,12 @@ def parse_bootstrap(addr: str, timeout: float = 10.0) -> list[str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             answer: Any = json.loads(response.read(64 * 1024))
+    except http.client.HTTPException:  # something answered, not in HTTP: libp2p's port, most likely
+        raise UserError(
+            f"--bootstrap {addr}: port {port} answers, but not as the bootstrap's status server (HTTP); "
+            "if it is the bootstrap's libp2p --port, give its --status-port instead (the HOST:PORT it "
+            "printed), or its full multiaddr"
+        ) from None
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
         reason = getattr(exc, "reason", exc)
         raise UserError(
@@ -112,10 +121,18 @@ def start_dht(
     port: int,
     announce: str | None = None,
     identity_path: str | None = None,
+    membership: Membership | None = None,
+    protected: Iterable[str] | None = (),
 ) -> Any:
-    """A running hivemind.DHT, or UserError naming the address that failed."""
+    """A running hivemind.DHT, or UserError naming the address that failed.
+
+    Every node signs its records and accepts only records signed by the peer their subkey names
+    (``trust.BoardValidator``); under the DHT keys in ``protected`` (None: every key), only records
+    of ``membership``'s members. ``identity_path``: the node's key, created there if missing;
+    None: a fresh key."""
     install_pdeathsig()
     import hivemind
+    from hivemind.p2p import P2P
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
     kwargs: dict[str, Any] = {"host_maddrs": listen_maddrs(host, port), "nat_port_map": False}
@@ -123,26 +140,45 @@ def start_dht(
         if not port:
             raise UserError("--announce needs a fixed --port: the announced address must be dialable")
         kwargs["announce_maddrs"] = listen_maddrs(announce, port)
-    if identity_path is not None:
-        kwargs["identity_path"] = identity_path
-    before = set(P2PD_SOCKET_DIR.glob(P2PD_SOCKET_GLOB))
+    fresh = EphemeralIdentity() if identity_path is None else None
+    key_path = fresh.path if fresh is not None else identity_path
+    assert key_path is not None
     try:
-        return hivemind.DHT(initial_peers=initial_peers or None, start=True, **kwargs)
-    except P2PDaemonError as exc:
-        remove_dead_sockets(set(P2PD_SOCKET_DIR.glob(P2PD_SOCKET_GLOB)) - before)
-        detail = str(exc).split(": ", 1)[-1].strip()
-        if identity_path is not None and "already taken" in str(exc):
-            raise UserError(
-                f"--identity {identity_path}: a running peer of this swarm already uses this identity; "
-                "give each process its own file (a restarted peer may reuse its file once the old "
-                "process has ended)"
-            ) from None
-        if initial_peers:
-            raise UserError(
-                f"cannot join the swarm through {', '.join(initial_peers)} ({detail}): is the bootstrap "
-                "running and reachable from here?"
-            ) from None
-        raise UserError(f"cannot start the DHT on {host}:{port} ({detail}): is the port free?") from None
+        if not os.path.exists(key_path):
+            try:
+                P2P.generate_identity(key_path)
+            except (OSError, FileNotFoundError) as exc:
+                raise UserError(f"--identity {key_path}: cannot create it ({exc})") from None
+        identity = Identity.from_file(key_path)
+        validator = BoardValidator(identity, membership or Membership(), protected)
+        before = set(P2PD_SOCKET_DIR.glob(P2PD_SOCKET_GLOB))
+        try:
+            return hivemind.DHT(
+                initial_peers=initial_peers or None,
+                start=True,
+                identity_path=key_path,
+                check_if_identity_free=fresh is None,  # a fresh key is nobody else's
+                record_validators=[validator],
+                **kwargs,
+            )
+        except P2PDaemonError as exc:
+            remove_dead_sockets(set(P2PD_SOCKET_DIR.glob(P2PD_SOCKET_GLOB)) - before)
+            detail = str(exc).split(": ", 1)[-1].strip()
+            if fresh is None and "already taken" in str(exc):
+                raise UserError(
+                    f"--identity {identity_path}: a running peer of this swarm already uses this identity; "
+                    "give each process its own file (a restarted peer may reuse its file once the old "
+                    "process has ended)"
+                ) from None
+            if initial_peers:
+                raise UserError(
+                    f"cannot join the swarm through {', '.join(initial_peers)} ({detail}): is the bootstrap "
+                    "running and reachable from here?"
+                ) from None
+            raise UserError(f"cannot start the DHT on {host}:{port} ({detail}): is the port free?") from None
+    finally:
+        if fresh is not None:  # p2pd has read the key; the validator holds it in memory
+            fresh.close()
 
 
 SEARCH_ROUNDS = 2  # a search asks the nodes it knows, then those they name (all known, in a small swarm)
@@ -228,19 +264,3 @@ def stop_dht(dht: Any, socket_path: str | None) -> None:
     if socket_path and not dht.is_alive():
         with suppress(OSError):
             os.remove(socket_path)
-
-
-def check_identity(path: str) -> None:
-    """An existing identity file must hold a key; p2pd would fail with a message that names no file."""
-    if not os.path.exists(path):
-        return  # hivemind creates it
-    from hivemind.p2p import PeerID
-
-    try:
-        with open(path, "rb") as f:
-            PeerID.from_identity(f.read())
-    except Exception as exc:  # noqa: BLE001 - protobuf and cryptography raise many types for bad keys
-        raise UserError(
-            f"--identity {path} is not a private key file ({type(exc).__name__}); "
-            "give the file an earlier run created, or a new path to create one"
-        ) from None

@@ -13,9 +13,11 @@ Everything the protocol decides is in the pure machine; this module only carries
 - Time: a ticker feeds every open round ``Tick`` and, when the notice board changes, ``ViewChanged``.
 
 Incoming frames are parsed by ``messages.parse_message`` (the one decoding point: sizes bounded,
-fields type-checked) and fed to the round's machine with the sender's libp2p-authenticated id. A
-round is opened on another peer's word only if that peer is a live peer of this run on our board,
-and only up to ``MAX_OPEN_ROUNDS`` at once; anything else gets a REFUSED answer, never an exception.
+fields type-checked) and fed to the round's machine with the sender's libp2p-authenticated id. Only
+peers of this run on our board are heard (``is_member``: their records are signed, and hold a
+membership proof when the run has a swarm key), within per-peer limits (``swarm/limits.py``: rate,
+messages and bytes in flight, rounds opened here); anything else gets a REFUSED answer or is
+dropped, never an exception, and refusals are counted by peer.
 Settled rounds are remembered (``MAX_FINISHED``) to answer late askers; their averages are kept
 for the last ``MAX_SERVED`` rounds, after which an asker hears that the average is gone.
 """
@@ -27,14 +29,16 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
 from p2p_cocodc.codecs import Codec
+from p2p_cocodc.swarm.limits import Limits, PeerLimiter
 from p2p_cocodc.swarm.messages import (
     Ack,
     Bye,
@@ -47,6 +51,7 @@ from p2p_cocodc.swarm.messages import (
 )
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round import (
+    Accuse,
     BoardPeer,
     Completed,
     Compute,
@@ -66,7 +71,9 @@ from p2p_cocodc.swarm.round import (
     ViewChanged,
     run_job,
 )
+from p2p_cocodc.swarm.trust import OPEN
 from p2p_cocodc.swarm.wire import (
+    MAX_FRAME,
     SLOWEST_LINK_MBPS,
     BadMessage,
     read_frame,
@@ -78,7 +85,8 @@ log = logging.getLogger(__name__)
 
 MIN_LINK_MBPS = 1.0  # deadlines never assume a slower link (a measurement may catch a stall)
 MAX_OPEN_ROUNDS = 64  # rounds others may open here before this peer reaches them; then refused
-MAX_OPENED_BY_STRANGER = 4  # of those, rounds a peer that is not on our board may open
+BAN_AFTER = 64  # per-peer limits broken this often: the peer is banned from this peer's rounds
+OPENING = (Code.JOIN, Code.PROBE, Code.FETCH)  # the only messages that open a round here: questions
 MAX_FINISHED = 4096  # settled rounds remembered, to answer late askers
 MAX_SERVED = 64  # of those, the most recent whose averages are kept for peers that ask
 MESSAGE_TIMEOUT_S = 30.0  # opening a stream and writing one small message
@@ -162,13 +170,19 @@ class FragmentExchange:
         record_ttl_s: float = 8.0,
         link_mbps: float = SLOWEST_LINK_MBPS,
         round_bytes: int = 0,
+        key_id: str = OPEN,
+        max_frame: int = MAX_FRAME,
+        limits: Limits | None = None,
+        aggregation: Aggregation = MEAN,
     ) -> None:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
         self.protocol = f"p2p-cocodc/{run_id}/exchange/2"
         self.codec = codec
+        self.aggregation = aggregation
         self.shard = shard
         self.fingerprint = fingerprint
+        self.key_id = key_id  # the run's swarm key ("open": none): only its holders are peers of ours
         self.board_view = board_view
         self.round_timeout_s = round_timeout_s
         self.record_ttl_s = record_ttl_s
@@ -188,9 +202,15 @@ class FragmentExchange:
         self.link_turns: dict[str, asyncio.Lock] = {}  # peer -> whose turn it is to send it bulk data
         self.acks_awaited: dict[tuple[str, str, int, int], asyncio.Event] = {}
         self.said_bye: set[str] = set()  # peers that told us they are leaving the run
+        self.outliers: Counter[str] = Counter()  # members whose slices this peer left out of its mean
+        self.strikes: Counter[str] = Counter()  # per-peer limits broken, by peer
+        self.accused: Counter[str] = Counter()  # messages no honest peer sends (forged lists), by peer
+        self.banned: set[str] = set()  # peers that broke them BAN_AFTER times: heard no more
         self.leaving = False  # this peer is leaving: it joins no new group
         self.joining = False  # this peer is taking the swarm's state: it joins no group of a round opened now
-        self.opened_by: dict[str, set[str]] = {}  # peers not on our board -> rounds they opened here
+        self.opened_by: dict[str, set[str]] = {}  # peer -> rounds it opened here that we have not reached
+        self.limiter = PeerLimiter(replace(limits or Limits(), buffered_bytes=2 * max_frame))
+        self.max_frame = max_frame  # the largest message of this run
         self.promised: OrderedDict[str, bool] = OrderedDict()  # expired rounds we promised to stay out of
         self.ticker: asyncio.Task[None] | None = None
 
@@ -266,6 +286,14 @@ class FragmentExchange:
             self.waiting.pop(round_id, None)
         if isinstance(result, Completed):
             self.stats.rounds_done += 1
+            if result.screened_out:
+                self.outliers.update(result.screened_out)
+                log.warning(
+                    "round %s: left %s out of my slice's mean: their outer gradients are outliers (norm or "
+                    "direction far from the others')",
+                    round_id,
+                    ", ".join(p[:12] for p in result.screened_out),
+                )
             self.groups[round_id] = GroupRecord(tuple(shard for _, shard in result.members), result.pace)
             if len(self.groups) > MAX_FINISHED:
                 del self.groups[next(iter(self.groups))]
@@ -304,9 +332,22 @@ class FragmentExchange:
             )
             for peer, record in self.board_view().items()
             if record.state in ("training", "leaving", "done")
-            and record.fingerprint == self.fingerprint
+            and self._same_run(record)
             and peer != self.peer_id
+            and peer not in self.banned
         }
+
+    def _same_run(self, record: PeerRecord) -> bool:
+        return record.fingerprint == self.fingerprint and record.key_id == self.key_id
+
+    def is_member(self, peer: str) -> bool:
+        """Whether ``peer`` has a record of this run on our board, in any state (a joiner fetching
+        averages says "joining"). The DHT stores and returns a record only with its writer's
+        signature, and with a membership proof when the run has a swarm key (``swarm/trust.py``):
+        this is the one admission check of the exchange. A member that broke the per-peer limits
+        ``BAN_AFTER`` times is banned: heard no more, and no longer a peer of any round here."""
+        record = self.board_view().get(peer)
+        return record is not None and self._same_run(record) and peer not in self.banned
 
     def _machine(self, round_id: str) -> RoundMachine:
         machine = self.open.get(round_id) or self.finished.get(round_id)
@@ -323,6 +364,7 @@ class FragmentExchange:
                 self.deadlines,
                 self._board(),
                 time.monotonic(),
+                self.aggregation,
             )
             machine.gave_round_up = round_id in self.promised or self.leaving or self.joining
             self.open[round_id] = machine
@@ -349,6 +391,9 @@ class FragmentExchange:
                     waiter.set_result(effect.outcome)
             elif isinstance(effect, Note):
                 log.info("%s", effect.text)
+            elif isinstance(effect, Accuse):
+                self.accused[effect.peer] += 1
+                log.warning("round %s: %s sent %s", round_id, effect.peer[:12], effect.why)
         if round_id in self.open and machine.quiescent(time.monotonic()):
             self._finish(round_id, machine)
 
@@ -460,19 +505,41 @@ class FragmentExchange:
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()  # authenticated by libp2p; never taken from the payload
+        self.stats.messages_received += 1
+        why = self.limiter.admit(sender, time.monotonic())
+        if why is not None:
+            writer.close()
+            self._note_refusal(sender, why)
+            return
+        reserved = 0
+
+        def reserve(size: int) -> None:
+            nonlocal reserved
+            over = self.limiter.reserve(sender, size)
+            if over is not None:
+                self.limiter.refuse(sender)
+                raise BadMessage(over)
+            reserved = size
+
         try:
-            message = parse_message(await read_frame(reader, MESSAGE_TIMEOUT_S))
+            message = parse_message(await read_frame(reader, MESSAGE_TIMEOUT_S, self.max_frame, reserve))
         except BadMessage as exc:
             log.warning("bad message from %s: %s", sender[:12], exc)
             self.stats.messages_rejected += 1
             return
         finally:
-            self.stats.messages_received += 1
+            self.limiter.done(sender, reserved)
             writer.close()
         self.receive(sender, message)
 
     def receive(self, sender: str, message: Message) -> None:
-        """Feed one message to its round's machine, opening the round only for a live peer of ours."""
+        """Feed one message to its round's machine. Only a peer of this run on our board is heard
+        (``is_member``), and a round is opened on its word only within ``limits``."""
+        if not self.is_member(sender):
+            self._note_refusal(sender, "not a member of this run on my board")
+            if not isinstance(message, StatusReply | Ack | Bye) and self.limiter.refused[sender] <= 3:
+                self._refuse(sender, message.round_id, self._not_member_detail())
+            return
         if isinstance(message, Bye):  # not about a round: every open round learns it at once
             if sender not in self.said_bye and sender in self._board():
                 self.said_bye.add(sender)
@@ -486,17 +553,47 @@ class FragmentExchange:
             if awaited is not None:
                 awaited.set()
         if round_id not in self.open and round_id not in self.finished:
+            if message.code not in OPENING:  # an answer or a delivery for a round we never asked about
+                return
             if len(self._not_reached()) >= MAX_OPEN_ROUNDS:
                 self._refuse(sender, round_id, f"{MAX_OPEN_ROUNDS} rounds opened by others are open here")
                 return
-            if sender not in self.view:  # a newcomer not yet on our board, or a stranger: a few only
-                opened = self.opened_by.setdefault(sender, set())
-                opened &= set(self._not_reached())
-                if len(opened) >= MAX_OPENED_BY_STRANGER:
-                    self._refuse(sender, round_id, "too many open rounds from a peer not on my board")
-                    return
-                opened.add(round_id)
+            opened = self.opened_by.setdefault(sender, set())
+            opened &= set(self._not_reached())
+            if len(opened) >= self.limiter.limits.open_rounds:
+                self._note_refusal(
+                    sender, f"more than {self.limiter.limits.open_rounds} open rounds", strike=True
+                )
+                self._refuse(sender, round_id, "too many rounds opened here that this peer has not reached")
+                return
+            opened.add(round_id)
         self._feed(round_id, self._machine(round_id), Received(sender, message))
+
+    def _not_member_detail(self) -> str:
+        if self.key_id == OPEN:
+            return "you are not a peer of this run on my board (no record of yours with our options)"
+        return f"this run requires its swarm key (key id {self.key_id}): pass --swarm-key-file"
+
+    def _note_refusal(self, sender: str, why: str, strike: bool = False) -> None:
+        """Count a refusal (and log some); a ``strike`` broke a per-peer limit: enough of them, and a
+        member is banned for the rest of the run."""
+        if self.limiter.refuse(sender):
+            log.warning(
+                "refusing messages from %s: %s (%d so far)", sender[:12], why, self.limiter.refused[sender]
+            )
+        if strike:
+            self.strikes[sender] += 1
+            if self.strikes[sender] == BAN_AFTER:
+                self.banned.add(sender)
+                log.warning(
+                    "banning %s from this peer's rounds: it broke the per-peer limits %d times (%s)",
+                    sender[:12],
+                    BAN_AFTER,
+                    why,
+                )
+                self.view = self._board()
+                for round_id, machine in list(self.open.items()):
+                    self._feed(round_id, machine, ViewChanged(self.view))
 
     def _refuse(self, to: str, round_id: str, why: str) -> None:
         log.info("refusing round %s from %s: %s", round_id, to[:12], why)

@@ -23,6 +23,7 @@ from typing import Any
 
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.swarm.dht import store_limit_s
+from p2p_cocodc.swarm.trust import OPEN
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,11 @@ class PeerRecord:
     joined_at: int = 0  # the step whose end it took the swarm's state at (0: it started the run)
     resume_step: int = -1  # the step of the checkpoint it resumes from with --resume (-1: none)
     ttl_s: float = 8.0  # the record's lifetime: how long readers keep this peer after they last read it
+    key_id: str = OPEN  # the public id of the run's swarm key its writer holds ("open": none)
+    refused: dict[str, int] = field(default_factory=dict)  # peers it refused most (non-members, limits)
+    outliers: dict[str, int] = field(default_factory=dict)  # members whose slices it left out most
+    theta_step: int = -1  # the step of its latest θ̄ digest (-1: none yet; swarm/agreement.py)
+    theta_sha: str = ""  # the first 16 hex digits of sha256(θ̄) at that step
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,6 +93,14 @@ class PeerRecord:
             and len(v["fingerprint"]) <= 64
             and isinstance(v["versions"], list)
             and len(v["versions"]) <= MAX_FRAGMENTS
+            and isinstance(v["key_id"], str)
+            and 0 < len(v["key_id"]) <= 16
+            and _is_tally(v["refused"])
+            and _is_tally(v["outliers"])
+            and _is_int(v["theta_step"])
+            and v["theta_step"] >= -1
+            and isinstance(v["theta_sha"], str)
+            and len(v["theta_sha"]) <= 16
             and all(_is_int(x) and x >= 0 for x in v["versions"])
         )
         return cls(**v) if ok else None
@@ -94,6 +108,18 @@ class PeerRecord:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+MAX_TALLY = 8  # peers a record names in one of its tallies
+
+
+def _is_tally(x: Any) -> bool:
+    """{peer id: count}: a few peers, each named by a short string."""
+    return (
+        isinstance(x, dict)
+        and len(x) <= MAX_TALLY
+        and all(isinstance(k, str) and 0 < len(k) <= 64 and _is_int(c) and c >= 0 for k, c in x.items())
+    )
 
 
 def _is_number(x: Any) -> bool:
@@ -160,8 +186,8 @@ class Board:
         expires = max(get_dht_time() + lifetime, self._expires + 1e-3)
         self._expires = expires
         stores = [(peers_key(self.run_id), self.peer_id, record.to_wire())]
-        if run_info is not None:
-            stores.append((RUNS_KEY, self.run_id, run_info))
+        if run_info is not None:  # under our own subkey too: a record names its writer (swarm/trust.py)
+            stores.append((RUNS_KEY, self.peer_id, {**run_info, "run": self.run_id}))
         # a change of state (training, leaving, done) must reach every replica before the call
         # returns: a peer that leaves shuts its DHT down right after, which would cut the stores
         # still going on in the background, and readers would see "training" until it lapsed
@@ -240,8 +266,13 @@ class Board:
                 records[peer] = record
         return records
 
-    async def runs(self) -> dict[str, Any]:
-        return await self._get(RUNS_KEY)
+    async def runs(self) -> dict[str, dict[str, Any]]:
+        """{run id: the info one of its peers published}, for the bootstrap's /status."""
+        runs: dict[str, dict[str, Any]] = {}
+        for info in (await self._get(RUNS_KEY)).values():
+            if isinstance(info, dict) and isinstance(info.get("run"), str):
+                runs[info["run"]] = {k: v for k, v in info.items() if k != "run"}
+        return runs
 
     async def _get(self, key: str) -> dict[str, Any]:
         future = self.dht.get(key, latest=True, return_future=True)

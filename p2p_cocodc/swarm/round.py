@@ -11,13 +11,14 @@ Phases (``docs/swarm.md`` has the full tables):
 
 - IDLE: this peer has not reached the round yet; it answers what others ask and records joins if
   it is the round's leader.
-- FORMING: the group is being chosen. The leader is the smallest id this peer knows to be live for
+- FORMING: the group is being chosen. The leader is the first in line (``leader_rank``: a hash of
+  the round and the peer id, so no id is first in every round) of the peers this peer knows to be live for
   the round (the board, plus any peer heard from within a record lifetime, minus peers that gave the
   round up or stopped answering). A non-leader sends JOIN to its leader, which answers LEADER (wait,
-  or "go to this smaller id") or GROUP. The leader lists every live peer that joins; it decides
+  or "go to this peer, before us in line") or GROUP. The leader lists every live peer that joins; it decides
   once all have, or at its deadline after a last PROBE of every missing peer has been answered or
   that peer has stopped answering. A PROBE answered with GROUP makes the prober adopt that group;
-  with LEADER naming a smaller unknown id, the prober probes that id; a smaller live id makes a
+  with LEADER naming an unknown id, the prober probes that id; a live id before it in line makes a
   leader yield (its joiners are redirected). A peer takes part in the first group it learns, ever.
 - RUNNING: the butterfly (``p2p_cocodc/butterfly.py``). PARTs and RESULTs carry the member list,
   are acknowledged, and are re-sent until they are, so reordering, duplicates and drops do no harm;
@@ -39,12 +40,14 @@ peer completed; with no faults every round completes before ``Deadlines.settle_b
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
+from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
 from p2p_cocodc.butterfly import assemble, encode_slices, reduce_slice, slice_sizes
 from p2p_cocodc.codecs import Codec, get_codec
 from p2p_cocodc.errors import UserError
@@ -193,6 +196,7 @@ class Completed:
     members: Members
     pace: int  # the group's pace: the largest send-slot spacing its members asked for
     by_butterfly: bool  # False: fetched from a peer that completed
+    screened_out: tuple[str, ...] = ()  # members this peer left out of its own slice's aggregate
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,15 @@ class Note:
     text: str
 
 
-Effect = Send | Compute | Settle | Note
+@dataclass(frozen=True)
+class Accuse:
+    """A peer sent what no honest peer sends: the transport counts it against that peer and says so."""
+
+    peer: str
+    why: str
+
+
+Effect = Send | Compute | Settle | Note | Accuse
 
 
 def run_job(job: Job, codec: Codec) -> Computed:
@@ -231,9 +243,9 @@ def run_job(job: Job, codec: Codec) -> Computed:
         if job.kind == "encode":
             vector, parts = job.inputs
             value: object = encode_slices(vector, parts, codec)
-        elif job.kind == "reduce":
-            encoded, numel = job.inputs
-            value = reduce_slice(encoded, numel, codec)
+        elif job.kind == "reduce":  # (the aggregate's encoding, members screened out of it)
+            encoded, numel, aggregation = job.inputs
+            value = reduce_slice(encoded, numel, codec, aggregation)
         elif job.kind == "assemble":
             means, sizes = job.inputs
             value = assemble(means, sizes, codec)
@@ -263,6 +275,13 @@ class Recovery:
     unanswered_since: dict[str, float] = field(default_factory=dict)  # peer -> oldest FETCH it owes
 
 
+def leader_rank(round_id: str, peer: str) -> bytes:
+    """The order in which peers are in line to lead a round: a hash of the round and the peer id.
+    Every peer computes the same line, and it changes from round to round, so an id ground to sort
+    first (20,000 RSA keys a second) leads no more rounds than any other id."""
+    return hashlib.sha256(f"p2p-cocodc lead\0{round_id}\0{peer}".encode()).digest()
+
+
 def short(peer: str) -> str:
     return peer[:12]
 
@@ -280,12 +299,14 @@ class RoundMachine:
         deadlines: Deadlines,
         view: Mapping[str, BoardPeer],
         now: float,
+        aggregation: Aggregation = MEAN,
     ) -> None:
         self.me = me
         self.round_id = round_id
         self.shard = shard
         self.fingerprint = fingerprint
         self.codec = codec
+        self.aggregation = aggregation  # how the slice this peer owns is checked and averaged
         self.deadlines = deadlines
         self.view: dict[str, BoardPeer] = {}
         self.seen_on_board: set[str] = set()  # a member that has left the board is gone
@@ -299,6 +320,7 @@ class RoundMachine:
         self.eta_s = 0.0
         # who is live for this round
         self.heard: dict[str, float] = {}  # peer -> when it last messaged us
+        self.ranks: dict[str, bytes] = {}  # peer -> leader_rank
         self.silent_since: dict[str, float] = {}  # peer -> first message it has not answered since
         self.gave_up: set[str] = set()  # peers that asked for the average: they will not join
         # forming
@@ -324,6 +346,7 @@ class RoundMachine:
         self.acked: set[tuple[Code, str]] = set()
         self.jobs_out: set[str] = set()
         self.recovery: Recovery | None = None
+        self.screened_out: tuple[str, ...] = ()  # members left out of this peer's slice (outliers)
         self.outcome: Outcome | None = None
         self.why_recovering = ""
 
@@ -405,7 +428,14 @@ class RoundMachine:
         return {p for p, t in self.silent_since.items() if now - t > self.deadlines.answer_s}
 
     def leader(self, now: float) -> str:
-        return min(self.candidates(now) | {self.me})
+        return min(self.candidates(now) | {self.me}, key=self.rank)
+
+    def rank(self, peer: str) -> bytes:
+        """A peer's place in the line for this round's lead (``leader_rank``), computed once."""
+        found = self.ranks.get(peer)
+        if found is None:
+            found = self.ranks[peer] = leader_rank(self.round_id, peer)
+        return found
 
     def _expect_answer(self, peer: str, now: float) -> None:
         self.silent_since.setdefault(peer, now)
@@ -446,6 +476,10 @@ class RoundMachine:
         if isinstance(msg, Join | Probe) and msg.fingerprint != self.fingerprint:
             self._reply_status(out, sender, Status.REFUSED, "your options differ from this run's", now)
             return  # a peer of another configuration is not a peer of this round
+        if self._forged_lead(getattr(msg, "members", ())):
+            why = "a member list that puts this peer first in line for the round, which it never decided"
+            out.append(Accuse(sender, why))
+            return
         self.heard[sender] = now
         if isinstance(msg, Join | Probe):  # Probe is a Join subclass: both ask what we know
             self._on_join(sender, msg, now, out)
@@ -614,11 +648,18 @@ class RoundMachine:
             self.slices = event.value
             self.parts[self.me] = self.slices[self._index(self.me)]
         elif kind == "reduce":
-            assert isinstance(event.value, bytes)
-            self.results[self.me] = event.value
+            assert isinstance(event.value, tuple) and self.members is not None
+            self.results[self.me], screened = event.value
+            self.screened_out = tuple(self.members[i][0] for i in screened)
+            if self.screened_out:
+                names = [short(p) for p in self.screened_out]
+                out.append(Note(f"round {self.round_id}: left {names} out of my slice's mean (outliers)"))
         elif kind == "assemble":
             assert isinstance(event.value, torch.Tensor) and self.members is not None
-            self._settle(Completed(event.value, self.members, self.pace, by_butterfly=True), now, out)
+            done = Completed(
+                event.value, self.members, self.pace, by_butterfly=True, screened_out=self.screened_out
+            )
+            self._settle(done, now, out)
 
     # ---- the phases ----
 
@@ -635,7 +676,7 @@ class RoundMachine:
     def _form(self, now: float, out: list[Effect]) -> None:
         leader = self.leader(now)
         if leader != self.me:
-            if self.joins.keys() - {self.me}:  # we led, but a smaller live id is known: yield to it
+            if self.joins.keys() - {self.me}:  # we led, but a live peer before us in line is known: yield
                 out.append(Note(f"round {self.round_id}: yielding the lead to {short(leader)}"))
                 for peer in sorted(self.joins.keys() - {self.me}):
                     self._send(out, peer, Leader(self.round_id, leader), now, expect=False)
@@ -761,7 +802,8 @@ class RoundMachine:
             if "reduce" not in self.jobs_out:
                 mine = self._index(self.me)
                 self.jobs_out.add("reduce")
-                out.append(Compute(Job("reduce", ([self.parts[p] for p in peers], self.sizes[mine]))))
+                parts = [self.parts[p] for p in peers]
+                out.append(Compute(Job("reduce", (parts, self.sizes[mine], self.aggregation))))
         if self.me in self.results:
             for peer in peers:
                 if peer != self.me:
@@ -844,9 +886,18 @@ class RoundMachine:
                 self._send(out, peer, fetch, now)
         if pending or "decode" in self.jobs_out:
             return
+        if not self._may_conclude(now):
+            return
         lost = any(status == Status.GONE for status, _ in rec.answers.values())
         why = f"{self.why_recovering}, and no peer holds the round's average"
         self._settle(Lost(why + " any more") if lost else Failed(why), now, out)
+
+    def _may_conclude(self, now: float) -> bool:
+        """Whether this peer may settle without an average once nobody it asked can produce one. An
+        observer waits a record lifetime first: a peer new to the run sees the board as the DHT lets
+        it, a live member may show up on it only that much later, and an observer's FAILED is final
+        (the round then fails everywhere). Model check: schedule 5022."""
+        return not self.observer or now >= self.started_at + self.deadlines.heard_s
 
     def _record_answer(self, sender: str, status: Status, msg: StatusReply, now: float) -> None:
         rec = self.recovery
@@ -897,6 +948,15 @@ class RoundMachine:
 
     def _probe(self) -> Probe:
         return Probe(self.round_id, self.shard, self.fingerprint, self.wish)
+
+    def _forged_lead(self, members: Members) -> bool:
+        """A group is only ever decided by its first member in line (every joiner chose a leader
+        before itself in line, and the leader lists itself), so a list that puts this peer first
+        and is not the one it decided is forged: a member handing out groups of one to split θ̄.
+        Before reaching the round such a list may be an earlier process's of this peer (restarted)."""
+        if not members or self.phase not in (Phase.FORMING, Phase.RUNNING) or members == self.members:
+            return False
+        return min((peer for peer, _ in members), key=self.rank) == self.me
 
     def _same_group(self, msg: Group) -> bool:
         return (msg.members, msg.pace) == (self.members, self.pace)

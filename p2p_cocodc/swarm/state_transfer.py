@@ -39,6 +39,7 @@ from typing import Any
 import msgpack
 import torch
 
+from p2p_cocodc.swarm.limits import Limits, PeerLimiter
 from p2p_cocodc.swarm.wire import (
     MAX_FRAME,
     BadMessage,
@@ -55,6 +56,7 @@ MAX_CHUNKS = 1 << 16  # 256 GiB of state
 MAX_TENSORS = 1 << 16
 MAX_DEPTH = 16
 ASK_TIMEOUT_S = 30.0  # opening a stream and one small frame
+ASK_BYTES = 4096  # a request is a small map
 SNAPSHOT_WAIT_S = 90.0  # how long a donor waits to reach the asked step before it answers
 MAX_STEPS_AHEAD = 10_000  # a donor does not promise a state further ahead than this
 KEEP_S = 300.0  # a snapshot is dropped this long after it was last asked for
@@ -238,8 +240,11 @@ class StateServer:
         current_step: Callable[[], int],
         shared_state: Callable[[], Any],
         chunk_bytes: int = CHUNK_BYTES,
+        admits: Callable[[str], bool] = lambda peer: True,
     ) -> None:
         self.p2p = p2p
+        self.admits = admits  # whether a peer is a member of the run (``Peer._is_member``)
+        self.limiter = PeerLimiter(Limits(messages_per_s=20.0, burst=40.0, streams=2 * STREAMS_PER_DONOR))
         self.chunk_bytes = chunk_bytes
         self.protocol = state_protocol(run_id)
         self.fingerprint = fingerprint
@@ -278,9 +283,20 @@ class StateServer:
         task.add_done_callback(lambda t: _settle(future, t))
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        asker = info.peer_id.to_base58()[:12]
+        """One request of a member: within per-peer limits (a request is small; answers are chunks)."""
+        peer = info.peer_id.to_base58()
+        asker = peer[:12]
+        why = "not a member of this run on my board" if not self.admits(peer) else None
+        why = why or self.limiter.admit(peer, time.monotonic())
+        if why is not None:
+            if self.limiter.refuse(peer):
+                log.warning("refusing state requests from %s: %s", asker, why)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(write_frame(writer, self._refuse(why)), ASK_TIMEOUT_S)
+            writer.close()
+            return
         try:
-            ask = await read_frame(reader, ASK_TIMEOUT_S)
+            ask = await read_frame(reader, ASK_TIMEOUT_S, max_size=ASK_BYTES)
             reply = await self._answer(ask)
             await asyncio.wait_for(
                 write_frame(writer, reply), ASK_TIMEOUT_S + transfer_allowance_s(len(reply.get("data", b"")))
@@ -290,6 +306,7 @@ class StateServer:
         except (OSError, TimeoutError, ConnectionError) as exc:
             log.info("state request from %s ended early: %s", asker, exc)
         finally:
+            self.limiter.done(peer)
             writer.close()
 
     async def _answer(self, ask: dict[str, Any]) -> dict[str, Any]:

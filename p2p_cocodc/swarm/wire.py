@@ -9,6 +9,7 @@ type-checks the fields.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -41,13 +42,22 @@ async def write_frame(writer: asyncio.StreamWriter, body: dict[str, Any]) -> int
     return HEADER + len(raw)
 
 
-async def read_frame(reader: asyncio.StreamReader, timeout: float) -> dict[str, Any]:
-    """One message; ``timeout`` for the header, plus time for the announced size on a slow link."""
+async def read_frame(
+    reader: asyncio.StreamReader,
+    timeout: float,
+    max_size: int = MAX_FRAME,
+    reserve: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """One message; ``timeout`` for the header, plus time for the announced size on a slow link.
+    ``max_size``: the largest message the caller can expect; ``reserve(size)`` is called with the
+    announced size before the body is read, and may refuse it by raising BadMessage."""
     try:
         header = await asyncio.wait_for(reader.readexactly(HEADER), timeout)
         size = int.from_bytes(header, "big")
-        if size > MAX_FRAME:
-            raise BadMessage(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
+        if size > min(max_size, MAX_FRAME):
+            raise BadMessage(f"frame of {size} bytes exceeds the {min(max_size, MAX_FRAME)}-byte limit")
+        if reserve is not None:
+            reserve(size)
         timeout += transfer_allowance_s(size)
         raw = await asyncio.wait_for(reader.readexactly(size), timeout)
     except asyncio.IncompleteReadError:

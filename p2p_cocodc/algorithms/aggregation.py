@@ -1,0 +1,184 @@
+"""Checked contributions and robust aggregation: what the owner of a butterfly slice makes of its
+members' decoded slices.
+
+Notation: x_1 … x_M ∈ R^n, the members' decoded values of one slice in member order (fp32, CPU).
+med(a_1 … a_M) is the middle of the sorted values s_1 ≤ … ≤ s_M: s_(M+1)/2 for odd M,
+½·s_M/2 + ½·s_M/2+1 for even M. The coordinate-wise median is med taken per coordinate.
+
+**Screening** (every rule, unless ``screening`` is off; only with M ≥ 3, below that no member can be
+told apart from the rest):
+
+    r_i = ‖x_i‖₂,  r̃ = med(r_1 … r_M),  m = coordinate-wise median of x_1 … x_M,
+    ρ_i = r_i / r̃   (0 when r_i = 0, ∞ when r̃ = 0 < r_i),
+    c_i = ⟨x_i, m⟩ / (r_i·‖m‖)   (1 when r_i·‖m‖ = 0),
+    b_i = max(ρ_i / N, (1 − c_i) / (1 − C)),   N = outlier_norm ≥ 1, −1 ≤ C = outlier_cosine < 1.
+
+Member i is an outlier when b_i > 1, i.e. r_i > N·r̃ or c_i < C. Outliers are excluded worst first
+(decreasing b_i, ties: lower member index first), at most ⌊(M − 1)/2⌋ of them, so the kept members
+are always a strict majority.
+
+**Rules** over the kept members y_1 … y_K (member order):
+
+- ``mean``: ((y_1 + y_2) + … + y_K) / K in fp32 (``codecs.mean_in_order``). With nobody excluded
+  this is the butterfly mean bit for bit.
+- ``trimmed-mean``: per coordinate, with sorted values s_1 ≤ … ≤ s_K and k = max(1, ⌊β·K⌋)
+  (β = trim, 0 ≤ β < ½), (s_k+1 + … + s_K−k) / (K − 2k), summed in ascending order.
+- ``centered-clip`` (Karimireddy, He & Jaggi 2021): v_0 = coordinate-wise median of the y_i,
+  τ = med_i ‖y_i − v_0‖ (fixed for the run of iterations), then L = clip_iterations times
+  v ← v + (1/K)·Σ_i d_i·min(1, τ/‖d_i‖) with d_i = y_i − v (factor 1 when ‖d_i‖ = 0), summed in
+  member order.
+
+With K < 3 every rule is the mean.
+
+**Determinism.** One owner computes a slice's aggregate and every peer applies its bits, so the
+result is a function of the input bits alone, whatever torch's thread count: norms and inner
+products are sums over fixed chunks of ``CHUNK`` values (fp32), then sums of those chunk sums
+(fp64), never one reduction that torch would split across its threads; the coordinate-wise order
+is an odd-even transposition network of elementwise min/max on values whose −0 was made +0 first;
+everything else is elementwise fp32, in a fixed order. Before squaring, each vector is scaled by an
+exact power of two that brings its largest |value| into [½, 1), so no finite input overflows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from p2p_cocodc.codecs import mean_in_order
+
+CHUNK = 4096  # values summed together before their sums are summed: a fixed order on any thread count
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How a slice owner combines its members' slices; the thresholds are those of the screening."""
+
+    rule: str = "mean"  # one of names.AGGREGATES
+    outlier_norm: float = 4.0  # N: a member with ‖x_i‖ > N·(median norm) is an outlier
+    outlier_cosine: float = 0.0  # C: a member with cosine below C to the coordinate-wise median is one
+    trim: float = 0.25  # β of the trimmed mean: k = max(1, ⌊β·K⌋) values cut at each end
+    clip_iterations: int = 3  # L of centered clipping
+    screening: bool = True  # False: nobody is left out (ddp: one step's gradients are too noisy to judge)
+
+
+MEAN = Aggregation()
+
+
+def aggregate(
+    values: Sequence[torch.Tensor], aggregation: Aggregation = MEAN
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The slice's aggregate and the members (indices into ``values``) screened out of it."""
+    excluded = screen(values, aggregation)
+    kept = [value for i, value in enumerate(values) if i not in excluded]
+    return combine(kept, aggregation), excluded
+
+
+def screen(values: Sequence[torch.Tensor], aggregation: Aggregation = MEAN) -> tuple[int, ...]:
+    """The outliers to leave out, ascending: b_i > 1, worst first, at most ⌊(M − 1)/2⌋."""
+    members = len(values)
+    if members < 3 or not aggregation.screening:
+        return ()
+    ratios, cosines = similarity(values)
+    badness = [
+        max(rho / aggregation.outlier_norm, (1.0 - c) / (1.0 - aggregation.outlier_cosine))
+        for rho, c in zip(ratios, cosines, strict=True)
+    ]
+    worst_first = sorted((i for i in range(members) if badness[i] > 1.0), key=lambda i: (-badness[i], i))
+    return tuple(sorted(worst_first[: (members - 1) // 2]))
+
+
+def similarity(values: Sequence[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """Each member's ρ_i (norm over the median norm) and c_i (cosine to the coordinate-wise median)."""
+    x, exponents = _normalized(torch.stack(values))
+    scaled_norms = _row_sums(x * x).sqrt_().tolist()
+    m = _normalized(_middle(_sorted_rows(values))[None])[0]
+    length = math.sqrt(float(_row_sums(m * m)[0]))
+    dots = _row_sums(x.mul_(m)).tolist()
+    norms = [math.ldexp(r, e) for r, e in zip(scaled_norms, exponents, strict=True)]
+    median_norm = _median(norms)
+    ratios = [0.0 if r == 0 else (r / median_norm if median_norm > 0 else math.inf) for r in norms]
+    cosines = [
+        dot / (r * length) if r * length > 0 else 1.0 for dot, r in zip(dots, scaled_norms, strict=True)
+    ]
+    return ratios, cosines
+
+
+def combine(values: Sequence[torch.Tensor], aggregation: Aggregation = MEAN) -> torch.Tensor:
+    """The rule's aggregate of ``values`` (no screening); the mean for fewer than 3 values."""
+    if aggregation.rule == "mean" or len(values) < 3:
+        return mean_in_order(values)
+    if aggregation.rule == "trimmed-mean":
+        k = max(1, int(aggregation.trim * len(values)))
+        return mean_in_order(_sorted_rows(values)[k : len(values) - k])
+    if aggregation.rule == "centered-clip":
+        return _centered_clip(values, aggregation.clip_iterations)
+    raise ValueError(f"unknown aggregation rule {aggregation.rule!r}")
+
+
+def _centered_clip(values: Sequence[torch.Tensor], iterations: int) -> torch.Tensor:
+    v = _middle(_sorted_rows(values))
+    tau = _median([_norm(value - v) for value in values])
+    for _ in range(iterations):
+        step = torch.zeros_like(v)
+        for value in values:
+            d = value - v
+            distance = _norm(d)
+            step.add_(d if distance <= tau else d.mul_(tau / distance))
+        v = v + step.div_(len(values))
+    return v
+
+
+def _sorted_rows(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Row j holds every coordinate's j-th smallest value (odd-even transposition network)."""
+    rows = [value + 0.0 for value in values]  # −0 → +0: min and max never choose between two zeros
+    for r in range(len(rows)):
+        for i in range(r % 2, len(rows) - 1, 2):
+            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
+    return rows
+
+
+def _middle(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The coordinate-wise median from sorted rows."""
+    half = len(rows) // 2
+    return rows[half].clone() if len(rows) % 2 else rows[half - 1] * 0.5 + rows[half] * 0.5
+
+
+def _median(numbers: Sequence[float]) -> float:
+    s = sorted(numbers)
+    half = len(s) // 2
+    return s[half] if len(s) % 2 else 0.5 * s[half - 1] + 0.5 * s[half]
+
+
+def _norm(x: torch.Tensor) -> float:
+    scaled, (exponent,) = _normalized(x[None])
+    return math.ldexp(math.sqrt(float(_row_sums(scaled * scaled)[0])), exponent)
+
+
+def _normalized(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The rows of a 2-D fp32 tensor, row i times 2^−e_i with max|row i| = f·2^e_i, f in [½, 1) (e_i
+    kept in [−126, 126]), and the e_i: exact scalings that keep squares and products of any finite
+    fp32 values far from overflow, and a row's small values as far from underflow as its largest."""
+    if x.shape[1] == 0:
+        return x.clone(), [0] * x.shape[0]
+    amax = torch.maximum(x.amax(1), -x.amin(1)).tolist()
+    exponents = [min(max(math.frexp(a)[1], -126), 126) for a in amax]
+    scales = torch.tensor([math.ldexp(1.0, -e) for e in exponents], dtype=torch.float32)
+    return x * scales[:, None], exponents
+
+
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of a 2-D tensor in a fixed order: sums of CHUNK values (fp32), then of those
+    (fp64), never one long reduction that torch would split across its threads."""
+    x = _chunk_sums(x).double()
+    while x.shape[1] > CHUNK:
+        x = _chunk_sums(x)
+    return x.sum(1)
+
+
+def _chunk_sums(x: torch.Tensor) -> torch.Tensor:
+    whole = x.shape[1] - x.shape[1] % CHUNK
+    heads = x[:, :whole].reshape(x.shape[0], -1, CHUNK).sum(2)
+    return torch.cat([heads, x[:, whole:].sum(1, keepdim=True)], dim=1)

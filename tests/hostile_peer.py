@@ -1,0 +1,58 @@
+"""A hostile member of a swarm, for the hostile-peer tests: a real peer (``p2p-cocodc join``, with the
+swarm key) with one behaviour changed. Run it as ``python -m tests.hostile_peer MODES join ...``:
+
+- ``scale``: every outer gradient it sends is 10× its real one;
+- ``flip``: every outer gradient it sends points the other way (−1×);
+- ``replay``: it sends, in every round of a fragment, its first outer gradient of that fragment;
+- ``flood``: at every round it reaches, it also opens 40 rounds that never end on every peer.
+
+MODES is a comma-separated list. Everything else is the landed peer, unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from p2p_cocodc.swarm.exchange import FragmentExchange
+from p2p_cocodc.swarm.messages import Join
+
+MODES = ("scale", "flip", "replay", "flood")
+
+
+def corrupt(modes: set[str]) -> None:
+    honest = FragmentExchange.allreduce
+    first: dict[str, torch.Tensor] = {}
+
+    async def allreduce(self, round_id, vector, step, take_part=True, pace=0):  # type: ignore[no-untyped-def]
+        if take_part:
+            if "scale" in modes:
+                vector = vector * 10.0
+            if "flip" in modes:
+                vector = -vector
+            if "replay" in modes:
+                vector = first.setdefault(round_id.split(":")[0], vector.clone())
+            if "flood" in modes:
+                for peer in self._board():
+                    for i in range(40):
+                        self._start_send(peer, Join(f"flood-{step}-{i}", self.shard, self.fingerprint))
+        return await honest(self, round_id, vector, step, take_part, pace)
+
+    FragmentExchange.allreduce = allreduce  # type: ignore[method-assign]
+
+
+def main() -> None:
+    modes = set(sys.argv[1].split(","))
+    unknown = modes - set(MODES)
+    if unknown:
+        sys.exit(f"unknown modes {sorted(unknown)}: use {', '.join(MODES)}")
+    corrupt(modes)
+    from p2p_cocodc.cli import main as cli_main
+
+    sys.argv = ["p2p-cocodc", *sys.argv[2:]]
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""Checked contributions and robust aggregation (p2p_cocodc/algorithms/aggregation.py): each rule's
+math on hand-checkable values, outliers screened out, honest runs untouched bit for bit, the same
+bits on any thread count, and the simulator's exclusion records."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+import p2p_cocodc.sim
+from p2p_cocodc.algorithms.aggregation import Aggregation, aggregate, combine, screen, similarity
+from p2p_cocodc.butterfly import butterfly_mean, reduce_slice, slice_bounds
+from p2p_cocodc.codecs import CODECS, mean_in_order
+from p2p_cocodc.config import TrainConfig, coerce
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.metrics import RunLog, read_records
+from p2p_cocodc.names import AGGREGATES
+from p2p_cocodc.sim import Simulation
+
+RULES = [Aggregation(rule=rule) for rule in AGGREGATES]
+# the test config of test_algorithms (nano model), with 4 workers so slices have 4 members
+SIM = TrainConfig(
+    model="nano",
+    tokenizer="byte",
+    seq_len=32,
+    batch_size=4,
+    workers=4,
+    steps=32,
+    inner_steps=8,
+    fragments=2,
+    overlap=2,
+    eval_every=16,
+    eval_batches=2,
+    step_time=0.05,
+    lr=3e-3,
+    warmup=4,
+    threads=1,
+)
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def honest(members: int, n: int = 3000, seed: int = 0) -> list[torch.Tensor]:
+    """Outer gradients as honest workers send them: a shared direction plus each worker's own part
+    (pairwise cosine about 0.5, like the simulator's)."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(n, generator=gen)
+    return [shared + torch.randn(n, generator=gen) for _ in range(members)]
+
+
+# ---- the rules' math ----
+
+
+def test_mean_is_the_in_order_mean_bit_for_bit() -> None:
+    values = honest(4)
+    assert torch.equal(combine(values, Aggregation("mean")), mean_in_order(values))
+
+
+def test_trimmed_mean_drops_the_k_largest_and_smallest_per_coordinate() -> None:
+    values = [t(1, -4), t(2, 8), t(3, 0), t(50, 1)]  # k = max(1, ⌊0.25·4⌋) = 1
+    assert combine(values, Aggregation("trimmed-mean")).tolist() == [2.5, 0.5]
+    five = [t(5), t(1), t(4), t(2), t(30)]
+    assert combine(five, Aggregation("trimmed-mean")).item() == pytest.approx(11 / 3)  # k = 1: (2 + 4 + 5)/3
+    assert combine(five, Aggregation("trimmed-mean", trim=0.4)).tolist() == [4.0]  # k = 2: the median
+    eight = [t(float(v)) for v in (8, 1, 7, 2, 6, 3, 5, 100)]  # k = ⌊0.25·8⌋ = 2: (3 + 5 + 6 + 7)/4
+    assert combine(eight, Aggregation("trimmed-mean")).tolist() == [5.25]
+
+
+def test_centered_clip_starts_at_the_median_and_clips_at_the_median_distance() -> None:
+    # v0 = 2, distances 2, 1, 0, 0.5, 0.75 → τ = 0.75; each step moves v by the mean of the clipped d_i
+    values = [t(0), t(1), t(2), t(2.5), t(2.75)]
+    one, three = (combine(values, Aggregation("centered-clip", clip_iterations=n)) for n in (1, 3))
+    assert one.item() == pytest.approx(1.95, abs=1e-6)  # d = -0.75, -0.75, 0, 0.5, 0.75
+    assert three.item() == pytest.approx(1.902, abs=1e-6)  # then 1.92, then 1.902
+    # in the plane the clip is on the Euclidean distance: v0 = (0, 1), distances 1, √2, 0, 1, 39 so
+    # τ = 1; (1, 0) − v0 is cut to length 1 and (0, 40) − v0 to (0, 1)
+    plane = [t(0, 0), t(1, 0), t(0, 1), t(1, 1), t(0, 40)]
+    v = combine(plane, Aggregation("centered-clip", clip_iterations=1))
+    assert v.tolist() == pytest.approx([(1 + 2**-0.5) / 5, 1 - 2**-0.5 / 5], abs=1e-6)
+
+
+def test_every_rule_is_the_mean_below_three_values() -> None:
+    pair = [t(1, 2), t(100, -7)]
+    for aggregation in RULES:
+        assert torch.equal(combine(pair, aggregation), mean_in_order(pair))
+
+
+# ---- screening ----
+
+
+@pytest.mark.parametrize("members", [3, 4, 5])
+@pytest.mark.parametrize("attack", ["x10", "sign", "x100-sign"])
+@pytest.mark.parametrize("aggregation", RULES, ids=AGGREGATES)
+def test_a_scaled_or_flipped_member_is_left_out(members: int, attack: str, aggregation: Aggregation) -> None:
+    values = honest(members, seed=members)
+    bad = 1
+    factor = {"x10": 10.0, "sign": -1.0, "x100-sign": -100.0}[attack]
+    attacked = [v * factor if i == bad else v for i, v in enumerate(values)]
+    result, excluded = aggregate(attacked, aggregation)
+    assert excluded == (bad,)
+    assert torch.equal(result, combine([v for i, v in enumerate(values) if i != bad], aggregation))
+    # the same through the owner's encoded slice
+    codec = CODECS["int8"]
+    encoded = [codec.encode(v) for v in attacked]
+    data, excluded = reduce_slice(encoded, 3000, codec, aggregation)
+    kept = [codec.decode(e, 3000) for i, e in enumerate(encoded) if i != bad]
+    assert excluded == (bad,) and data == codec.encode(combine(kept, aggregation))
+
+
+def test_the_butterfly_reports_who_was_left_out_of_any_slice() -> None:
+    codec = CODECS["fp32"]
+    values = honest(4, n=4000)
+    attacked = [*values[:3], -values[3]]
+    mean, excluded = butterfly_mean(attacked, codec)
+    assert excluded == (3,)
+    assert torch.equal(mean, mean_in_order(values[:3]))  # every slice: the honest three
+    clean, nobody = butterfly_mean(values, codec)
+    assert nobody == () and torch.equal(clean, mean_in_order(values))
+
+
+def test_below_three_members_nobody_is_screened() -> None:
+    a, b = honest(2)
+    for aggregation in RULES:
+        for values in ([a, b * 100], [a, -b], [a * 100]):
+            result, excluded = aggregate(values, aggregation)
+            assert excluded == () and torch.equal(result, mean_in_order(values))
+
+
+def test_at_most_a_minority_is_left_out_worst_first() -> None:
+    h = torch.rand(500) + 0.5
+    # norms 1, 1, 10, 20 times |h|: median 5.5|h|, so with N = 1.5 both big ones are outliers; the
+    # cap ⌊(4 − 1)/2⌋ = 1 leaves out only the worse
+    tight = Aggregation(outlier_norm=1.5)
+    values = [h, h, 20 * h, 10 * h]
+    assert similarity(values)[1] == pytest.approx([1.0] * 4)
+    assert screen(values, tight) == (2,)
+    # five members all below a cosine of 0.999: the two with the lowest cosines go
+    five = honest(5)
+    cosines = similarity(five)[1]
+    assert max(cosines) < 0.999
+    assert screen(five, Aggregation(outlier_cosine=0.999)) == tuple(
+        sorted(sorted(range(5), key=cosines.__getitem__)[:2])
+    )
+    # equal badness: the lower index goes first (e1 and e2 have cosine 1/√2 to the median)
+    e1, e2 = t(1, 0), t(0, 1)
+    tied = [e1, e1, e2, e2]
+    assert similarity(tied)[1] == pytest.approx([2**-0.5] * 4)
+    assert screen(tied, Aggregation(outlier_cosine=0.8)) == (0,)
+    assert screen([e1, e2, e1, e2, e1 + e2], Aggregation(outlier_cosine=0.8)) == (0, 1)
+
+
+def test_zero_and_empty_slices_are_nobody_s_outliers() -> None:
+    h = honest(1)[0]
+    for values in ([torch.zeros(64)] * 3, [torch.zeros(0)] * 4, [h, torch.zeros_like(h), h]):
+        for aggregation in RULES:
+            result, excluded = aggregate(values, aggregation)
+            assert excluded == () and result.shape == values[0].shape
+    # more than half zero: the median norm is 0, so any non-zero member is an outlier
+    assert screen([torch.zeros_like(h), h, torch.zeros_like(h)]) == (1,)
+
+
+# ---- determinism ----
+
+
+@pytest.mark.parametrize("aggregation", RULES, ids=AGGREGATES)
+def test_the_same_bits_twice_and_on_any_thread_count(aggregation: Aggregation) -> None:
+    codec = CODECS["fp32"]
+    values = honest(5, n=300_000, seed=3)
+    values[4] = values[4] * -3.0  # screening and the rules both run
+    encoded = [codec.encode(v) for v in values]
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 1):
+            torch.set_num_threads(count)
+            results.append(reduce_slice(encoded, 300_000, codec, aggregation))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(r == results[0] for r in results) and results[0][1] == (4,)
+
+
+def test_the_statistics_do_not_depend_on_the_thread_count() -> None:
+    """A single sum over 4 M values, as torch would take it, changes with the thread count here
+    (its threads split the values); the chunked sums do not."""
+    values = honest(3, n=4_000_000, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            results.append(similarity(values))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(r == results[0] for r in results)
+
+
+# ---- honest outer gradients of a real run ----
+
+
+def captured_rounds(monkeypatch: pytest.MonkeyPatch, cfg: TrainConfig) -> list[list[torch.Tensor]]:
+    rounds: list[list[torch.Tensor]] = []
+    inner = p2p_cocodc.sim.butterfly_mean
+
+    def capture(vectors, codec, aggregation):
+        rounds.append([v.clone() for v in vectors])
+        return inner(vectors, codec, aggregation)
+
+    monkeypatch.setattr(p2p_cocodc.sim, "butterfly_mean", capture)
+    Simulation(cfg.validate()).run(RunLog(None))
+    return rounds
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp4"])
+def test_honest_outer_gradients_are_never_screened_and_the_mean_is_unchanged(
+    monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    rounds = captured_rounds(monkeypatch, replace(SIM, codec=codec))
+    assert len(rounds) == 8  # 32 steps, H = 8, K = 2
+    c = CODECS[codec]
+    default = Aggregation()
+    worst_ratio, worst_cosine = 0.0, 1.0
+    for vectors in rounds:
+        for aggregation in RULES:
+            assert butterfly_mean(vectors, c, aggregation)[1] == ()
+        bounds = slice_bounds(vectors[0].numel(), len(vectors), c.block)
+        for j in range(len(vectors)):
+            n = bounds[j + 1] - bounds[j]
+            encoded = [c.encode(v[bounds[j] : bounds[j + 1]]) for v in vectors]
+            today = c.encode(mean_in_order([c.decode(e, n) for e in encoded]))
+            assert reduce_slice(encoded, n, c) == (today, ())
+            ratios, cosines = similarity([c.decode(e, n) for e in encoded])
+            worst_ratio, worst_cosine = max(worst_ratio, *ratios), min(worst_cosine, *cosines)
+    # far from the thresholds, not just below them (docs/algorithms.md gives the measured margins)
+    assert worst_ratio < default.outlier_norm / 2 and worst_cosine > default.outlier_cosine + 0.3
+
+
+# ---- the simulator ----
+
+
+def attacked_run(cfg: TrainConfig, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """A run in which worker 2 sends its outer gradients times −10."""
+    sim = Simulation(cfg.validate())
+    strategy = sim.workers[2].strategy
+    payload = strategy.payload
+    monkeypatch.setattr(strategy, "payload", lambda p, step: -10 * payload(p, step))
+    log = RunLog(cfg.out)
+    try:
+        return sim.run(log)
+    finally:
+        log.close()
+
+
+def test_the_simulator_leaves_out_an_attacking_worker_and_records_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    three = replace(SIM, workers=3)
+    out = tmp_path / "clean.jsonl"
+    clean = Simulation(replace(three, out=str(out)).validate()).run(RunLog(str(out)))
+    assert {r["kind"] for r in read_records(out)} == {"eval", "summary"}
+    screened = attacked_run(replace(three, out=str(tmp_path / "run.jsonl")), monkeypatch)
+    records = read_records(tmp_path / "run.jsonl")
+    exclusions = [r for r in records if r["kind"] == "exclusion"]
+    assert len(exclusions) == 8 and all(r["excluded"] == [2] for r in exclusions)
+    assert exclusions[0] == {"kind": "exclusion", "round": "f0:4", "step": 4, "excluded": [2]}
+    assert [r["kind"] for r in records].count("eval") == 3 and records[-1]["kind"] == "summary"
+    # unscreened, the attacker ruins θ̄; screened, θ̄ trains as the clean run does
+    unscreened = attacked_run(replace(three, outlier_norm=1e9, outlier_cosine=-1.0), monkeypatch)
+    assert unscreened["final_val_loss"] > clean["final_val_loss"] + 1.0
+    assert abs(screened["final_val_loss"] - clean["final_val_loss"]) < 0.1
+
+
+# ---- options ----
+
+
+def test_the_options_build_the_aggregation_and_bad_values_are_one_line_each() -> None:
+    assert TrainConfig().aggregation() == Aggregation()  # the config's defaults are the module's
+    cfg = TrainConfig(aggregate="centered-clip", outlier_norm=6.0, outlier_cosine=-0.5).validate()
+    assert cfg.aggregation() == Aggregation("centered-clip", outlier_norm=6.0, outlier_cosine=-0.5)
+    assert TrainConfig(algo="ddp").validate().aggregation() == Aggregation(screening=False)
+    bad = [
+        ({"outlier_norm": 0.9}, "--outlier-norm must be ≥ 1 (a multiple of the median norm), got 0.9"),
+        ({"outlier_cosine": 1.0}, "--outlier-cosine must be in [-1, 1) (-1: no cosine test), got 1.0"),
+        ({"outlier_cosine": -1.5}, "--outlier-cosine must be in [-1, 1) (-1: no cosine test), got -1.5"),
+        (
+            {"algo": "ddp", "aggregate": "trimmed-mean"},
+            "--aggregate applies to outer gradients: ddp averages",
+        ),
+        ({"algo": "ddp", "outlier_cosine": 0.2}, "--outlier-cosine applies to outer gradients: ddp averages"),
+    ]
+    for options, message in bad:
+        with pytest.raises(UserError, match=re.escape(message)) as caught:
+            replace(TrainConfig(), **options).validate()
+        assert "\n" not in str(caught.value)
+    with pytest.raises(UserError, match="unknown --aggregate 'median': use one of mean, trimmed-mean"):
+        coerce("aggregate", "median")
