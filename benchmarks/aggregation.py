@@ -13,11 +13,15 @@ against the reduce before screening existed (decode, ``mean_in_order``, encode),
 turns in every repeat; the median over the repeats, as a ratio to the screened mean.
 
     python benchmarks/aggregation.py                     # about 30 minutes on this 2-core CPU
+
+Each run's result is kept under ``runs/aggregation/`` and reused by a later call with the same
+options, so the timing can be measured again (on a quiet machine) without training again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -42,12 +46,15 @@ from p2p_cocodc.metrics import RunLog  # noqa: E402
 from p2p_cocodc.names import AGGREGATES  # noqa: E402
 from p2p_cocodc.sim import Simulation  # noqa: E402
 
+RUNS = ROOT / "runs" / "aggregation"
 ATTACKS = {"none": 1.0, "x10": 10.0, "sign-flip": -1.0}
 UNSCREENED = {"outlier_norm": 1e9, "outlier_cosine": -1.0}
 
 
-def simulate(cfg: TrainConfig, factor: float, similarities: list[tuple[list[float], list[float]]]) -> dict:
-    """One run; the last member of every round sends its outer gradient times ``factor``."""
+def simulate(cfg: TrainConfig, factor: float) -> dict:
+    """One run; the last member of every round sends its outer gradient times ``factor``. Its final
+    perplexity, how many rounds left someone out, and every slice's (ρ_i, c_i)."""
+    similarities: list[tuple[list[float], list[float]]] = []
 
     similarity = aggregation_module.similarity
 
@@ -69,7 +76,7 @@ def simulate(cfg: TrainConfig, factor: float, similarities: list[tuple[list[floa
         p2p_cocodc.sim.butterfly_mean = butterfly_mean
         aggregation_module.similarity = similarity
     rounds = sum(1 for r in sim.records if r["kind"] == "exclusion")
-    return {"ppl": summary["final_val_ppl"], "rounds_with_exclusions": rounds}
+    return {"ppl": summary["final_val_ppl"], "rounds_with_exclusions": rounds, "similarities": similarities}
 
 
 def perplexity(base: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -81,8 +88,19 @@ def perplexity(base: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]
                 if attack == "none" and not screened:
                     continue  # nobody is screened out of an honest run: the same bits
                 cfg = replace(base, aggregate=rule, **({} if screened else UNSCREENED))
+                name = (
+                    f"{base.model}-w{base.workers}-s{base.steps}-h{base.inner_steps}-{attack}-{rule}"
+                    f"{'' if screened else '-unscreened'}.json"
+                )
                 started = time.perf_counter()
-                found = simulate(cfg, factor, honest if attack == "none" else [])
+                if (RUNS / name).exists():
+                    found = json.loads((RUNS / name).read_text())
+                else:
+                    found = simulate(cfg, factor)
+                    RUNS.mkdir(parents=True, exist_ok=True)
+                    (RUNS / name).write_text(json.dumps(found))
+                if attack == "none":
+                    honest += found["similarities"]
                 rows.append({"attack": attack, "rule": rule, "screened": screened, **found})
                 print(f"{attack:9} {rule:13} screened={screened!s:5} ppl {found['ppl']:9.2f} "
                       f"({found['rounds_with_exclusions']} rounds with exclusions, "

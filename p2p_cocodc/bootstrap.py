@@ -55,6 +55,8 @@ PEER_FIELDS = (
     "key_id",
     "refused",
     "outliers",
+    "theta_step",
+    "theta_sha",
 )
 
 

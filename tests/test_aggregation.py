@@ -67,6 +67,7 @@ def test_trimmed_mean_drops_the_k_largest_and_smallest_per_coordinate() -> None:
     five = [t(5), t(1), t(4), t(2), t(30)]
     assert combine(five, Aggregation("trimmed-mean")).item() == pytest.approx(11 / 3)  # k = 1: (2 + 4 + 5)/3
     assert combine(five, Aggregation("trimmed-mean", trim=0.4)).tolist() == [4.0]  # k = 2: the median
+    assert combine(five, Aggregation("trimmed-mean", trim=0.9)).tolist() == [4.0]  # k ≤ ⌊(K − 1)/2⌋
     eight = [t(float(v)) for v in (8, 1, 7, 2, 6, 3, 5, 100)]  # k = ⌊0.25·8⌋ = 2: (3 + 5 + 6 + 7)/4
     assert combine(eight, Aggregation("trimmed-mean")).tolist() == [5.25]
 
@@ -123,12 +124,14 @@ def test_the_butterfly_reports_who_was_left_out_of_any_slice() -> None:
     assert nobody == () and torch.equal(clean, mean_in_order(values))
 
 
-def test_below_three_members_nobody_is_screened() -> None:
+def test_below_three_members_or_with_screening_off_nobody_is_left_out() -> None:
     a, b = honest(2)
     for aggregation in RULES:
         for values in ([a, b * 100], [a, -b], [a * 100]):
             result, excluded = aggregate(values, aggregation)
             assert excluded == () and torch.equal(result, mean_in_order(values))
+    attacked = [*honest(4), -100 * b]
+    assert screen(attacked) == (4,) and screen(attacked, Aggregation(screening=False)) == ()
 
 
 def test_at_most_a_minority_is_left_out_worst_first() -> None:

@@ -9,16 +9,29 @@ from p2p_cocodc.swarm.trust import keygen
 from tests.swarm_procs import HOSTILE, end_group, records, run_cli, spawn, start_bootstrap
 from tests.tiny_options import TINY_MODEL, TINY_SYNCS
 
-PEERS = 5  # three honest peers and two hostile members
+HOSTILE_MODES = {3: "flip", 4: "scale", 5: "replay", 6: "flood"}  # data shard -> what that member does
+PEERS = 3 + len(HOSTILE_MODES)  # three honest peers, four hostile members
 OPTIONS = [*TINY_MODEL, "--workers", str(PEERS), "--steps", "32", *TINY_SYNCS, "--threads", "1", "--quiet"]
-PPL_BOUND = 1.10  # honest peers end within 10% of the clean run's final perplexity
+# honest peers end within 20 % of the clean run's final perplexity (seven honest workers): with four
+# of seven members hostile, the three honest ones average three shards' worth of outer gradients
+# (measured 1.03-1.13). A sanity bound, not the point: on a run this short, a 10x outer gradient acts
+# as a larger outer step, and with screening off the same run ended at 0.47x the clean perplexity.
+PPL_BOUND = 1.20
 
 
 def peer_ids_by_shard(path: Path) -> dict[int, str]:
     return {r["shard"]: r["peer"] for r in records(path) if r["kind"] == "join"}
 
 
-def test_a_stranger_is_shut_out_a_flipping_member_screened_and_a_flooding_one_banned(tmp_path: Path) -> None:
+def test_honest_peers_shut_out_a_stranger_screen_bad_gradients_and_ban_a_flooding_member(
+    tmp_path: Path,
+) -> None:
+    """Three honest peers of a keyed run, with four hostile members: one sends its outer gradients
+    sign-flipped, one 10× scaled, one replays its first outer gradient of each fragment in every
+    round, one opens 40 rounds on every peer at each of its rounds; and a stranger without the key
+    tries to join. The honest peers end with one θ̄ within 20 % of the clean run's perplexity; their
+    summaries name the flipped and scaled senders as outliers, the replayer as accused (a slice sent
+    again bit for bit) and an outlier, and the flooder as refused."""
     key = tmp_path / "swarm.key"
     keygen(str(key))
     boot = start_bootstrap(tmp_path, extra=["--swarm-key-file", str(key)])
@@ -32,7 +45,7 @@ def test_a_stranger_is_shut_out_a_flipping_member_screened_and_a_flooding_one_ba
                     [*keyed, "--shard", f"{i}/{PEERS}", "--out", f"peer{i}.jsonl"], tmp_path, f"peer{i}.log"
                 )
             )
-        for i, mode in ((3, "flip"), (4, "flood")):
+        for i, mode in HOSTILE_MODES.items():
             args = [mode, *keyed, "--shard", f"{i}/{PEERS}", "--out", f"peer{i}.jsonl"]
             procs.append(spawn(args, tmp_path, f"peer{i}.log", command=HOSTILE))
         # a stranger without the key: the keyed bootstrap and peers never take its record
@@ -48,6 +61,7 @@ def test_a_stranger_is_shut_out_a_flipping_member_screened_and_a_flooding_one_ba
     assert stranger.returncode != 0
     error = stranger.stderr.strip().splitlines()[-1]
     assert error.startswith("error: ") and "--swarm-key-file" in error and "Traceback" not in stranger.stderr
+    assert "is open: any peer that reaches the bootstrap may join it" in stranger.stderr
 
     summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
     assert all(s["kind"] == "summary" for s in summaries)
@@ -58,9 +72,9 @@ def test_a_stranger_is_shut_out_a_flipping_member_screened_and_a_flooding_one_ba
         reference,
     )
     ids = peer_ids_by_shard(tmp_path / "peer0.jsonl")
-    flipper, flooder = ids[3], ids[4]
-    for s in summaries:  # each honest slice owner left the flipper out, and refused the flooder
-        assert flipper in s["outliers"], s["outliers"]
+    flipper, scaler, replayer, flooder = (ids[i] for i in HOSTILE_MODES)
+    for s in summaries:  # each honest slice owner left the bad senders out, and refused the flooder
+        assert {flipper, scaler, replayer} == set(s["outliers"]), s["outliers"]  # no honest peer
+        assert set(s["accused"]) == {replayer}, s["accused"]
         assert flooder in s["refused"], s["refused"]
-        assert not set(s["outliers"]) - {flipper}  # no honest peer was taken for an outlier
-        assert s["theta_disputed"] == {}
+        assert set(s["theta_disputed"]) <= {flooder}  # banned, it could only split off

@@ -2,8 +2,8 @@
 members' decoded slices.
 
 Notation: x_1 … x_M ∈ R^n, the members' decoded values of one slice in member order (fp32, CPU).
-med(a_1 … a_M) is the middle of the sorted values s_1 ≤ … ≤ s_M: s_(M+1)/2 for odd M,
-½·s_M/2 + ½·s_M/2+1 for even M. The coordinate-wise median is med taken per coordinate.
+med(a_1 … a_M) is the middle of the sorted values s_1 ≤ … ≤ s_M: s_{(M+1)/2} for odd M,
+½·s_{M/2} + ½·s_{M/2+1} for even M. The coordinate-wise median is med taken per coordinate.
 
 **Screening** (every rule, unless ``screening`` is off; only with M ≥ 3, below that no member can be
 told apart from the rest):
@@ -21,8 +21,9 @@ are always a strict majority.
 
 - ``mean``: ((y_1 + y_2) + … + y_K) / K in fp32 (``codecs.mean_in_order``). With nobody excluded
   this is the butterfly mean bit for bit.
-- ``trimmed-mean``: per coordinate, with sorted values s_1 ≤ … ≤ s_K and k = max(1, ⌊β·K⌋)
-  (β = trim, 0 ≤ β < ½), (s_k+1 + … + s_K−k) / (K − 2k), summed in ascending order.
+- ``trimmed-mean``: per coordinate, with sorted values s_1 ≤ … ≤ s_K and
+  k = min(max(1, ⌊β·K⌋), ⌊(K − 1)/2⌋) (β = trim), (s_{k+1} + … + s_{K−k}) / (K − 2k), summed in
+  ascending order.
 - ``centered-clip`` (Karimireddy, He & Jaggi 2021): v_0 = coordinate-wise median of the y_i,
   τ = med_i ‖y_i − v_0‖ (fixed for the run of iterations), then L = clip_iterations times
   v ← v + (1/K)·Σ_i d_i·min(1, τ/‖d_i‖) with d_i = y_i − v (factor 1 when ‖d_i‖ = 0), summed in
@@ -36,7 +37,9 @@ products are sums over fixed chunks of ``CHUNK`` values (fp32), then sums of tho
 (fp64), never one reduction that torch would split across its threads; the coordinate-wise order
 is an odd-even transposition network of elementwise min/max on values whose −0 was made +0 first;
 everything else is elementwise fp32, in a fixed order. Before squaring, each vector is scaled by an
-exact power of two that brings its largest |value| into [½, 1), so no finite input overflows.
+exact power of two that brings its largest |value| into [½, 1), so no finite input overflows the
+statistics (kept values so large that the rule's own arithmetic overflows fail the round, as the
+mean's would).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class Aggregation:
     rule: str = "mean"  # one of names.AGGREGATES
     outlier_norm: float = 4.0  # N: a member with ‖x_i‖ > N·(median norm) is an outlier
     outlier_cosine: float = 0.0  # C: a member with cosine below C to the coordinate-wise median is one
-    trim: float = 0.25  # β of the trimmed mean: k = max(1, ⌊β·K⌋) values cut at each end
+    trim: float = 0.25  # β of the trimmed mean: about β·K values cut at each end, at least 1
     clip_iterations: int = 3  # L of centered clipping
     screening: bool = True  # False: nobody is left out (ddp: one step's gradients are too noisy to judge)
 
@@ -111,7 +114,7 @@ def combine(values: Sequence[torch.Tensor], aggregation: Aggregation = MEAN) -> 
     if aggregation.rule == "mean" or len(values) < 3:
         return mean_in_order(values)
     if aggregation.rule == "trimmed-mean":
-        k = max(1, int(aggregation.trim * len(values)))
+        k = min(max(1, int(aggregation.trim * len(values))), (len(values) - 1) // 2)
         return mean_in_order(_sorted_rows(values)[k : len(values) - k])
     if aggregation.rule == "centered-clip":
         return _centered_clip(values, aggregation.clip_iterations)

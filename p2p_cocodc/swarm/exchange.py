@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -44,6 +45,8 @@ from p2p_cocodc.swarm.messages import (
     Bye,
     Code,
     Message,
+    Part,
+    Result,
     Status,
     StatusReply,
     parse_message,
@@ -85,6 +88,7 @@ log = logging.getLogger(__name__)
 
 MIN_LINK_MBPS = 1.0  # deadlines never assume a slower link (a measurement may catch a stall)
 MAX_OPEN_ROUNDS = 64  # rounds others may open here before this peer reaches them; then refused
+PARTS_REMEMBERED = 256  # slice digests kept per member, to catch a slice replayed from an earlier round
 BAN_AFTER = 64  # per-peer limits broken this often: the peer is banned from this peer's rounds
 OPENING = (Code.JOIN, Code.PROBE, Code.FETCH)  # the only messages that open a round here: questions
 MAX_FINISHED = 4096  # settled rounds remembered, to answer late askers
@@ -205,6 +209,7 @@ class FragmentExchange:
         self.outliers: Counter[str] = Counter()  # members whose slices this peer left out of its mean
         self.strikes: Counter[str] = Counter()  # per-peer limits broken, by peer
         self.accused: Counter[str] = Counter()  # messages no honest peer sends (forged lists), by peer
+        self.parts_seen: dict[str, OrderedDict[bytes, str]] = {}  # member -> slice digest -> its round
         self.banned: set[str] = set()  # peers that broke them BAN_AFTER times: heard no more
         self.leaving = False  # this peer is leaving: it joins no new group
         self.joining = False  # this peer is taking the swarm's state: it joins no group of a round opened now
@@ -505,11 +510,11 @@ class FragmentExchange:
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()  # authenticated by libp2p; never taken from the payload
-        self.stats.messages_received += 1
         why = self.limiter.admit(sender, time.monotonic())
         if why is not None:
+            self.stats.messages_received += 1
             writer.close()
-            self._note_refusal(sender, why)
+            self._note_refusal(sender, why, strike=True)
             return
         reserved = 0
 
@@ -528,6 +533,7 @@ class FragmentExchange:
             self.stats.messages_rejected += 1
             return
         finally:
+            self.stats.messages_received += 1
             self.limiter.done(sender, reserved)
             writer.close()
         self.receive(sender, message)
@@ -567,7 +573,22 @@ class FragmentExchange:
                 self._refuse(sender, round_id, "too many rounds opened here that this peer has not reached")
                 return
             opened.add(round_id)
-        self._feed(round_id, self._machine(round_id), Received(sender, message))
+        self._feed(
+            round_id, self._machine(round_id), Received(sender, message, self._replayed(sender, message))
+        )
+
+    def _replayed(self, sender: str, message: Message) -> bool:
+        """Whether a PART's bytes are ones ``sender`` already sent this peer in another round: an
+        honest outer gradient never repeats bit for bit (a re-sent copy is of the same round)."""
+        if not isinstance(message, Part) or isinstance(message, Result):
+            return False
+        digest = hashlib.sha256(message.data).digest()[:16]
+        seen = self.parts_seen.setdefault(sender, OrderedDict())
+        first = seen.setdefault(digest, message.round_id)
+        seen.move_to_end(digest)
+        if len(seen) > PARTS_REMEMBERED:
+            seen.popitem(last=False)
+        return first != message.round_id
 
     def _not_member_detail(self) -> str:
         if self.key_id == OPEN:

@@ -123,7 +123,8 @@ def _is_tally(x: Any) -> bool:
 
 
 def _is_number(x: Any) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+    """A finite float, or an int of at most 64 bits (what msgpack carries)."""
+    return (_is_int(x) and -(1 << 63) <= x < 1 << 64) or (isinstance(x, float) and math.isfinite(x))
 
 
 class Board:

@@ -141,6 +141,7 @@ class Start:
 class Received:
     sender: str  # authenticated by the transport, never read from the message
     message: Message
+    replayed: bool = False  # a PART whose bytes this sender already sent in another round (transport)
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,7 @@ def run_job(job: Job, codec: Codec) -> Computed:
             vector, parts = job.inputs
             value: object = encode_slices(vector, parts, codec)
         elif job.kind == "reduce":  # (the aggregate's encoding, members screened out of it)
-            encoded, numel, aggregation = job.inputs
+            encoded, numel, aggregation, _ = job.inputs  # the last input: the members of ``encoded``
             value = reduce_slice(encoded, numel, codec, aggregation)
         elif job.kind == "assemble":
             means, sizes = job.inputs
@@ -347,6 +348,7 @@ class RoundMachine:
         self.jobs_out: set[str] = set()
         self.recovery: Recovery | None = None
         self.screened_out: tuple[str, ...] = ()  # members left out of this peer's slice (outliers)
+        self.replayed: set[str] = set()  # members that sent this peer a slice from an earlier round
         self.outcome: Outcome | None = None
         self.why_recovering = ""
 
@@ -354,6 +356,9 @@ class RoundMachine:
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         out: list[Effect] = []
+        if isinstance(event, Received) and event.replayed and event.sender not in self.replayed:
+            self.replayed.add(event.sender)  # left out of our slice's mean, whatever else it sent
+            out.append(Accuse(event.sender, "a slice it had already sent in an earlier round (a replay)"))
         if isinstance(event, Start):
             self._on_start(event, now, out)
         elif isinstance(event, Received):
@@ -458,7 +463,9 @@ class RoundMachine:
         self.step, self.vector, self.wish = event.step, event.vector, event.pace
         self.started_at = now
         etas = [max(event.step - p.step, 0) * p.step_time_s for p in self.view.values()]
-        self.eta_s = max(etas, default=0.0)
+        # a peer's record is its own word: one that claims to be far behind is waited for no longer
+        # than a peer that is round_s behind (it takes the average instead), whatever it claims
+        self.eta_s = min(max(etas, default=0.0), self.deadlines.round_s)
         self.phase = Phase.FORMING
         if self.gave_round_up:  # promised, or only here for the average: never a member
             self._recover(now, out, "this peer gave the round up before it reached it")
@@ -650,7 +657,9 @@ class RoundMachine:
         elif kind == "reduce":
             assert isinstance(event.value, tuple) and self.members is not None
             self.results[self.me], screened = event.value
-            self.screened_out = tuple(self.members[i][0] for i in screened)
+            kept = event.job.inputs[3]
+            left_out = {kept[i] for i in screened} | self.replayed
+            self.screened_out = tuple(p for p, _ in self.members if p in left_out)
             if self.screened_out:
                 names = [short(p) for p in self.screened_out]
                 out.append(Note(f"round {self.round_id}: left {names} out of my slice's mean (outliers)"))
@@ -802,8 +811,9 @@ class RoundMachine:
             if "reduce" not in self.jobs_out:
                 mine = self._index(self.me)
                 self.jobs_out.add("reduce")
-                parts = [self.parts[p] for p in peers]
-                out.append(Compute(Job("reduce", (parts, self.sizes[mine], self.aggregation))))
+                kept = [p for p in peers if p not in self.replayed]  # a replayed slice never counts
+                parts = [self.parts[p] for p in kept]
+                out.append(Compute(Job("reduce", (parts, self.sizes[mine], self.aggregation, tuple(kept)))))
         if self.me in self.results:
             for peer in peers:
                 if peer != self.me:

@@ -188,6 +188,10 @@ def parse_manifest(value: Any, step: int) -> dict[str, Any]:
             or not all(is_index(n) for n in item[1])
         ):
             raise BadMessage("each tensor must be [dtype, shape] with a known dtype")
+        try:  # strides must fit in 64 bits too (an empty tensor with huge other dimensions)
+            torch.empty(item[1], dtype=DTYPES[item[0]], device="meta")
+        except RuntimeError:
+            raise BadMessage(f"a tensor of shape {item[1]} cannot be laid out") from None
         total += math.prod(item[1]) * torch.empty((), dtype=DTYPES[item[0]]).element_size()
     if not is_index(size) or size != total:
         raise BadMessage(f"'size' {size!r} is not the tensors' {total} bytes")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import shutil
@@ -84,7 +85,9 @@ def read_swarm_key(path: str) -> bytes:
     except FileNotFoundError:
         raise UserError(f"{where}: no such file (create one with `p2p-cocodc keygen {path}`)") from None
     except IsADirectoryError:
-        raise UserError(f"{where} is a folder, not a key file") from None
+        raise UserError(
+            f"{where} is a folder: give the key file in it (made by `p2p-cocodc keygen FILE`)"
+        ) from None
     except OSError as exc:
         raise UserError(f"{where}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError:
@@ -97,7 +100,10 @@ def read_swarm_key(path: str) -> bytes:
     except ValueError:
         key = b""
     if len(key) != KEY_BYTES:
-        raise UserError(f"{where}: the key must be {2 * KEY_BYTES} hex digits; the file is damaged")
+        raise UserError(
+            f"{where}: the key must be {2 * KEY_BYTES} hex digits; the file is damaged: copy it again "
+            "from the run's owner"
+        )
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise UserError(f"{where} can be read by other users: run `chmod 600 {path}`")
     return key
@@ -276,6 +282,18 @@ def open_envelope(raw: Any) -> Envelope | None:
     return Envelope(value, public_der, proof, signature)
 
 
+def _decodes(value: bytes) -> bool:
+    """Whether hivemind's serializer reads ``value`` (it decodes a record's value only after
+    validation, in a callback whose error is lost: a value it cannot read hangs every reader)."""
+    from hivemind.utils import MSGPackSerializer
+
+    try:
+        MSGPackSerializer.loads(value)
+    except Exception:  # noqa: BLE001 - msgpack and hivemind's ext hooks raise many types on garbage
+        return False
+    return True
+
+
 def subkey_peer(subkey: bytes) -> str | None:
     """The peer id a record's subkey names (msgpack of a string), or None."""
     try:
@@ -320,8 +338,9 @@ class BoardValidator:
         writer = subkey_peer(record.subkey)
         if writer is None:
             return "the subkey is not a peer id"
-        if record.expiration_time - get_dht_time() > MAX_EXPIRATION_S:
-            return f"expires more than {MAX_EXPIRATION_S:.0f} s ahead"
+        expiration = record.expiration_time
+        if not math.isfinite(expiration) or expiration - get_dht_time() > MAX_EXPIRATION_S:
+            return f"expires more than {MAX_EXPIRATION_S:.0f} s ahead (or never)"
         if peer_id_of_or_none(envelope.public_der) != writer:
             return "signed by another peer than the one its subkey names"
         signed = _signed_bytes(
@@ -329,6 +348,8 @@ class BoardValidator:
         )
         if not verify(envelope.public_der, signed, envelope.signature):
             return "bad signature"
+        if not _decodes(envelope.value):  # hivemind decodes it after us, where an error hangs the reader
+            return "a value readers cannot decode"
         needs_proof = self.protected is None or record.key in self.protected
         if needs_proof and not self.membership.admits(writer, envelope.proof):
             return "its writer does not hold this run's swarm key"
