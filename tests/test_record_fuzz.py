@@ -33,23 +33,10 @@ from p2p_cocodc.swarm.state_transfer import (
 )
 from p2p_cocodc.swarm.trust import BoardValidator, Envelope, Identity, Membership
 from p2p_cocodc.swarm.wire import MAX_FRAME, BadMessage
+from tests.test_message_fuzz import scalars, values  # any msgpack-able value: the same strategies
 
 FUZZ = settings(max_examples=400, derandomize=True, deadline=None)
 SLOW_FUZZ = settings(max_examples=150, derandomize=True, deadline=None)  # an RSA signature per example
-
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
-    | st.floats()
-    | st.text(max_size=40)
-    | st.binary(max_size=64)
-)
-values = st.recursive(
-    scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12,
-)
 
 
 def packed(obj: Any) -> bytes | None:

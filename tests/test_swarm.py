@@ -135,10 +135,15 @@ def test_join_rejects_bad_options(tmp_path: Path, extra: list[str], message: str
 
 
 def round_leader_shard(boot_status: str, run_id: str) -> int:
-    """The shard of the peer that leads rounds (the smallest live peer id), from the bootstrap's /status."""
-    with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
-        peers = json.load(reply)["runs"][run_id]["peers"]
-    return peers[min(peers)]["shard"]
+    """The shard of the peer with the smallest id on the bootstrap's /status (it leads about a third
+    of the rounds: the line is a hash of round and id), once /status lists the run."""
+
+    def peers() -> dict | None:
+        with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
+            return json.load(reply)["runs"].get(run_id, {}).get("peers")
+
+    found = wait_for(peers, 30, f"run {run_id} on the bootstrap's /status")
+    return found[min(found)]["shard"]
 
 
 def start_three_training(

@@ -57,6 +57,7 @@ MAX_TENSORS = 1 << 16
 MAX_DEPTH = 16
 ASK_TIMEOUT_S = 30.0  # opening a stream and one small frame
 ASK_BYTES = 4096  # a request is a small map
+ADMIT_WAIT_S = 5.0  # how long a request waits for its asker's record to reach our board
 SNAPSHOT_WAIT_S = 90.0  # how long a donor waits to reach the asked step before it answers
 MAX_STEPS_AHEAD = 10_000  # a donor does not promise a state further ahead than this
 KEEP_S = 300.0  # a snapshot is dropped this long after it was last asked for
@@ -290,8 +291,11 @@ class StateServer:
         """One request of a member: within per-peer limits (a request is small; answers are chunks)."""
         peer = info.peer_id.to_base58()
         asker = peer[:12]
-        why = "not a member of this run on my board" if not self.admits(peer) else None
-        why = why or self.limiter.admit(peer, time.monotonic())
+        why = self.limiter.admit(peer, time.monotonic())
+        if why is None:
+            why = await self._wait_for_member(peer)
+            if why is not None:
+                self.limiter.done(peer)
         if why is not None:
             if self.limiter.refuse(peer):
                 log.warning("refusing state requests from %s: %s", asker, why)
@@ -312,6 +316,16 @@ class StateServer:
         finally:
             self.limiter.done(peer)
             writer.close()
+
+    async def _wait_for_member(self, peer: str) -> str | None:
+        """None once ``peer`` is a member on our board; it may have just said "joining" (a peer that
+        was away, whose record had lapsed), so its record is given ``ADMIT_WAIT_S`` to show up."""
+        deadline = time.monotonic() + ADMIT_WAIT_S
+        while not self.admits(peer):
+            if time.monotonic() > deadline:
+                return "not a member of this run on my board"
+            await asyncio.sleep(0.2)
+        return None
 
     async def _answer(self, ask: dict[str, Any]) -> dict[str, Any]:
         step = ask.get("step")
