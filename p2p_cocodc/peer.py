@@ -293,7 +293,7 @@ class Peer:
                     self.fingerprint,
                     lambda: self.step,
                     self._shared_state,
-                    admits=self._is_member,
+                    admits=self.exchange.is_member,  # the same peers the exchange hears, bans included
                 )
                 await self.state_server.start()
             if under_way:
@@ -422,12 +422,6 @@ class Peer:
     def _same_run(self, record: PeerRecord) -> bool:
         """A record of a peer of this run: our configuration, and our swarm key (or none, both)."""
         return record.fingerprint == self.fingerprint and record.key_id == self.membership.key_id
-
-    def _is_member(self, peer: str) -> bool:
-        """Whether ``peer`` may take part: its record is on our board (the DHT stored and returned it
-        only with a valid signature, and a membership proof when the run has a key), for this run."""
-        record = self.view.get(peer)
-        return record is not None and self._same_run(record)
 
     async def _refresh(self, board: Board, publish: bool = True, read: bool = True) -> None:
         """Publish this peer's record and update the view of the others. A peer stays in the view

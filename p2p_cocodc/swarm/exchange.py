@@ -522,7 +522,7 @@ class FragmentExchange:
             nonlocal reserved
             over = self.limiter.reserve(sender, size)
             if over is not None:
-                self.limiter.refuse(sender)
+                self._note_refusal(sender, over, strike=True)
                 raise BadMessage(over)
             reserved = size
 

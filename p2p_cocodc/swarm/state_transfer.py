@@ -248,7 +248,7 @@ class StateServer:
         admits: Callable[[str], bool] = lambda peer: True,
     ) -> None:
         self.p2p = p2p
-        self.admits = admits  # whether a peer is a member of the run (``Peer._is_member``)
+        self.admits = admits  # whether a peer is a member of the run (``FragmentExchange.is_member``)
         self.limiter = PeerLimiter(Limits(messages_per_s=20.0, burst=40.0, streams=2 * STREAMS_PER_DONOR))
         self.chunk_bytes = chunk_bytes
         self.protocol = state_protocol(run_id)
