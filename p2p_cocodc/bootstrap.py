@@ -73,6 +73,7 @@ class BootstrapOptions:
     status_port: int = 31338
     refresh_s: float = 1.0
     swarm_key_file: str | None = None
+    owner: str | None = None
 
 
 class Snapshot:
@@ -145,7 +146,7 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the DHT process dies (exit code 1)."""
     configure_logging(logging.INFO)
     check_options(opts)
-    membership = Membership.from_file(opts.swarm_key_file)
+    membership = Membership.from_options(opts.swarm_key_file, opts.owner)
     status_host = opts.status_host or opts.host
     with ExitStack() as stack:
         # Bound before the DHT starts, so a taken port fails in a second, before anything is started.
@@ -256,7 +257,11 @@ def write_address_file(path: str, address: dict[str, Any]) -> None:
 
 def announce_join(address: dict[str, Any], opts: BootstrapOptions, membership: Membership) -> None:
     """Print what peers must run; notes about reachability and openness go to stderr."""
-    key = "" if membership.is_open else f" --swarm-key-file {opts.swarm_key_file}"
+    key = ""
+    if opts.swarm_key_file is not None:
+        key = f" --swarm-key-file {opts.swarm_key_file}"
+    elif opts.owner is not None:
+        key = f" --owner {opts.owner} --identity ID_FILE --certificate CERT_FILE"
     lines = [
         f"bootstrap peer id {address['peer_id']} (identity {opts.identity})",
         f"status {address['status_url']}; addresses written to {opts.address_file}",
@@ -275,7 +280,9 @@ def announce_join(address: dict[str, Any], opts: BootstrapOptions, membership: M
         )
     else:
         print(
-            f"only holders of swarm key {membership.key_id} may publish here or take part in runs",
+            f"only holders of swarm key {membership.key_id} may publish here or take part in runs"
+            if membership.owner is None
+            else f"only peers certified by owner {membership.owner} may publish here or take part in runs",
             file=sys.stderr,
             flush=True,
         )

@@ -180,6 +180,18 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     help="admit only holders of this key (made by `p2p-cocodc keygen`) [default: an open run]",
 )
 @click.option(
+    "--owner",
+    default=None,
+    metavar="OWNER_ID",
+    help="admit only peers certified by this owner (the id `p2p-cocodc keygen --owner` printed)",
+)
+@click.option(
+    "--certificate",
+    default=None,
+    metavar="FILE",
+    help="with --owner: this peer's certificate (from the owner's `p2p-cocodc admit`; needs --identity)",
+)
+@click.option(
     "--wait-peers", type=float, default=None, help="seconds to wait for --workers peers [default: 300]"
 )
 @click.option(
@@ -310,6 +322,12 @@ def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
     metavar="FILE",
     help="accept records only from holders of this key (made by `p2p-cocodc keygen`) [default: open]",
 )
+@click.option(
+    "--owner",
+    default=None,
+    metavar="OWNER_ID",
+    help="accept records only from peers this owner certified (`p2p-cocodc keygen --owner`)",
+)
 def bootstrap(
     identity: str,
     host: str,
@@ -320,6 +338,7 @@ def bootstrap(
     status_port: int,
     refresh: float,
     swarm_key_file: str | None,
+    owner: str | None,
 ) -> None:
     """Run the swarm's bootstrap node: the DHT address peers join through, plus a status page."""
     from p2p_cocodc.bootstrap import BootstrapOptions, run_bootstrap
@@ -334,6 +353,7 @@ def bootstrap(
         status_port=status_port,
         refresh_s=refresh,
         swarm_key_file=swarm_key_file,
+        owner=owner,
     )
     code = run_bootstrap(opts)
     if code:
@@ -385,13 +405,46 @@ def demo(peers: int, workdir: str | None, quiet: bool, **training: Any) -> None:
 @cli.command()
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--force", is_flag=True, help="replace an existing key (holders of the old one are shut out)")
-def keygen(path: str, force: bool) -> None:
+@click.option(
+    "--owner", is_flag=True, help="an owner key, to certify peers with `admit`, not a shared secret"
+)
+def keygen(path: str, force: bool, owner: bool) -> None:
     """Create a swarm key file: give it (over a safe channel) to every peer and the bootstrap with
-    --swarm-key-file, and only they can take part in your runs."""
+    --swarm-key-file, and only they can take part in your runs. With --owner: an owner key, kept
+    by you alone; you certify each peer with `p2p-cocodc admit`."""
     from p2p_cocodc.swarm.trust import keygen as write_key
+    from p2p_cocodc.swarm.trust import owner_keygen
 
+    if owner:
+        owner_id = owner_keygen(path, force)
+        click.echo(f"wrote owner key to {path} (mode 600, keep it to yourself); owner id {owner_id}")
+        click.echo(f"give peers and the bootstrap --owner {owner_id}; certify each peer: p2p-cocodc admit")
+        return
     key_id = write_key(path, force)
     click.echo(f"wrote swarm key {key_id} to {path} (mode 600); pass --swarm-key-file {path} to every peer")
+
+
+@cli.command()
+@click.argument("peer_id")
+@click.option("--owner-key", required=True, metavar="FILE", help="the owner key (`keygen --owner`)")
+@click.option("--out", required=True, metavar="FILE", help="write the certificate here")
+@click.option("--force", is_flag=True, help="replace an existing certificate file")
+def admit(peer_id: str, owner_key: str, out: str, force: bool) -> None:
+    """Certify PEER_ID (what `p2p-cocodc peer-id` printed on that peer) for the runs of your owner
+    key: the peer joins with --owner, --identity and --certificate."""
+    from p2p_cocodc.swarm.trust import admit as certify
+
+    owner_id = certify(owner_key, peer_id, out, force)
+    click.echo(f"wrote {out}: peer {peer_id} joins with --owner {owner_id} --certificate {out}")
+
+
+@cli.command("peer-id")
+@click.argument("identity", type=click.Path(dir_okay=False))
+def peer_id(identity: str) -> None:
+    """Print the peer id of an identity file (created if missing): what the run's owner certifies."""
+    from p2p_cocodc.swarm.trust import ensure_identity
+
+    click.echo(ensure_identity(identity).peer_id)
 
 
 @cli.command()

@@ -71,6 +71,8 @@ class SwarmOptions:
     shard: tuple[int, int] | None = None
     identity: str | None = None
     swarm_key_file: str | None = None
+    owner: str | None = None
+    certificate: str | None = None
     wait_peers_s: float = 300.0
     round_timeout_s: float = 60.0
     heartbeat_s: float = 1.0
@@ -96,6 +98,8 @@ SWARM_KEYS = {
     "shard": str,
     "identity": str,
     "swarm_key_file": str,
+    "owner": str,
+    "certificate": str,
     "wait_peers": float,
     "round_timeout": float,
     "pace": str,
@@ -177,7 +181,10 @@ class Peer:
                 f"--shard {opts.shard[0]}/{opts.shard[1]}: N must equal --max-peers {cfg.data_shards} "
                 "(the number of shards the run's data is cut into; by default --workers)"
             )
-        self.membership = Membership.from_file(opts.swarm_key_file)  # before any slow work
+        # before any slow work: key, certificate and identity files checked
+        self.membership = Membership.from_options(
+            opts.swarm_key_file, opts.owner, opts.certificate, opts.identity
+        )
         self.cfg = cfg
         self.opts = opts
         self.region = region  # rank 0 of a region of several processes (torchrun): ``region.py``
@@ -245,7 +252,7 @@ class Peer:
             log.warning(
                 "run %r is open: any peer that reaches the bootstrap may join it and send updates; to admit "
                 "only your peers, create a key (p2p-cocodc keygen swarm.key) and give every peer "
-                "--swarm-key-file swarm.key",
+                "--swarm-key-file swarm.key, or certify each peer with an owner key (docs/security.md)",
                 self.opts.run_id,
             )
         # Created on the main thread: the at-fork death signal is tied to the forking thread.
@@ -345,8 +352,9 @@ class Peer:
                 if time.monotonic() > deadline:
                     raise UserError(
                         f"no other DHT node took this peer's record in {FIRST_PUBLISH_S:.0f} s ({exc}): "
-                        "nodes that require a swarm key refuse records without it; check --swarm-key-file "
-                        f"(this peer: {self.membership.key_id})"
+                        "nodes that require a swarm key or an owner's certificate refuse records without "
+                        f"it; check --swarm-key-file, or --owner and --certificate (this peer: "
+                        f"{self.membership.key_id})"
                     ) from None
                 log.info("first board publish failed (%s); trying again", exc)
                 await asyncio.sleep(self.opts.heartbeat_s)
@@ -615,8 +623,9 @@ class Peer:
         run = self.opts.run_id
         if keys and self.membership.is_open:  # a keyed peer's DHT never returns an open peer's record
             raise UserError(
-                f"run {run!r} requires a swarm key (key id {keys[0]}): pass --swarm-key-file with the key "
-                "file its owner created (p2p-cocodc keygen), or pick another --run-id"
+                f"run {run!r} admits only holders of its swarm key or of its owner's certificate (key id "
+                f"{keys[0]}): pass --swarm-key-file, or --owner and --certificate, as its owner gave them; "
+                "or pick another --run-id"
             )
         peer = sorted(others)[0]
         raise UserError(

@@ -14,10 +14,14 @@ can write, overwrite or extend another peer's record, and nobody can plant a lon
 
 **Membership.** A run may require a swarm secret (``p2p-cocodc keygen``, ``--swarm-key-file``): a
 member proves it holds the key with ``HMAC-SHA256(key, "p2p-cocodc member\\0" ‖ peer id)``, a
-proof bound to its authenticated id, so copying another member's proof buys nothing. Nodes that
-hold the key store, and readers accept, records under a run's key only with a valid proof; the
-exchange and the state server then serve only peers with such a record on the board. Without a key
-the run is open: any peer that reaches the bootstrap may take part, and ``join`` says so.
+proof bound to its authenticated id, so copying another member's proof buys nothing. Or it may
+require a certificate from the run's owner (``keygen --owner``, ``admit``, ``--owner``,
+``--certificate``): the owner's RSA signature of that same message, with the owner's public key,
+whose hash every peer checks against the owner id it was given; it is likewise bound to one id.
+Nodes that hold the key (or know the owner id) store, and readers accept, records under a run's key
+only with a valid proof; the exchange and the state server then serve only peers with such a record
+on the board. Without either the run is open: any peer that reaches the bootstrap may take part,
+and ``join`` says so.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ MAX_VALUE_BYTES = 16 * 1024  # larger values would wedge hivemind's DHT pipe any
 MAX_KEY_BYTES = 2048  # a DER RSA public key of up to 8192 bits
 MAX_SIGNATURE_BYTES = 1024
 MAX_PEER_ID = 128
+MAX_PROOF_BYTES = 3 * 1024  # an owner's certificate: its public key and signature
 MAX_EXPIRATION_S = 300.0  # a record may expire at most this far ahead (lifetimes are ≤ 120 s; clocks drift)
 
 
@@ -116,29 +121,149 @@ def key_id(key: bytes) -> str:
 
 @dataclass(frozen=True)
 class Membership:
-    """Who may take part: everyone (``key`` None), or the holders of the swarm key."""
+    """Who may take part: everyone; the holders of the swarm key (``key``); or the peers the run's
+    owner signed a certificate for (``owner``: the owner's id; ``certificate``: this peer's own)."""
 
     key: bytes | None = None
+    owner: str | None = None
+    certificate: bytes | None = None  # this peer's proof under an owner: packed (owner key, signature)
 
     @classmethod
-    def from_file(cls, path: str | None) -> Membership:
-        return cls(read_swarm_key(path) if path is not None else None)
+    def from_options(
+        cls,
+        swarm_key_file: str | None = None,
+        owner: str | None = None,
+        certificate: str | None = None,
+        identity: str | None = None,
+    ) -> Membership:
+        """The membership a peer's options ask for, or UserError saying which option to fix. A
+        bootstrap passes no certificate (it only checks others')."""
+        if swarm_key_file is not None and owner is not None:
+            raise UserError("--swarm-key-file and --owner: a run admits by one of them; give one")
+        if certificate is not None and owner is None:
+            raise UserError("--certificate needs --owner (the id of the run's owner key that signed it)")
+        if owner is not None:
+            check_owner_id(owner)
+            proof = read_certificate(certificate, owner, identity) if certificate is not None else None
+            return cls(owner=owner, certificate=proof)
+        return cls(read_swarm_key(swarm_key_file) if swarm_key_file is not None else None)
 
     @property
     def is_open(self) -> bool:
-        return self.key is None
+        return self.key is None and self.owner is None
 
     @property
     def key_id(self) -> str:
+        if self.owner is not None:
+            return "own" + hashlib.sha256(self.owner.encode()).hexdigest()[:13]
         return OPEN if self.key is None else key_id(self.key)
 
     def proof(self, peer_id: str) -> bytes:
+        """This peer's proof (``peer_id`` is its own id)."""
+        if self.owner is not None:
+            return self.certificate or b""
         if self.key is None:
             return b""
-        return hmac.new(self.key, b"p2p-cocodc member\0" + peer_id.encode(), hashlib.sha256).digest()
+        return hmac.new(self.key, _member_message(peer_id), hashlib.sha256).digest()
 
     def admits(self, peer_id: str, proof: bytes) -> bool:
+        if self.owner is not None:
+            return _certifies(self.owner, peer_id, proof)
         return self.key is None or hmac.compare_digest(self.proof(peer_id), proof)
+
+
+def _member_message(peer_id: str) -> bytes:
+    return b"p2p-cocodc member\0" + peer_id.encode()
+
+
+# ---- certificates signed by a run's owner ----
+
+CERT_HEADER = "p2p-cocodc certificate v1"
+
+
+def owner_keygen(path: str, force: bool = False) -> str:
+    """Write a new owner key (an RSA identity file, mode 0600); returns the owner id to give peers."""
+    from hivemind.p2p import P2P
+
+    target = Path(path)
+    if target.exists() and not force:
+        raise UserError(f"{path} already exists: give a new path, or --force to replace that key")
+    if not target.parent.is_dir():
+        raise UserError(f"{path}: folder {target.parent} does not exist")
+    tmp = target.with_name(f".{target.name}.tmp")
+    with suppress(OSError):
+        tmp.unlink()
+    try:
+        P2P.generate_identity(str(tmp))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write the key ({exc.strerror})") from None
+    return Identity.from_file(path, "--owner-key").peer_id
+
+
+def admit(owner_key: str, peer_id: str, out: str, force: bool = False) -> str:
+    """Sign a certificate that lets ``peer_id`` take part in the owner's runs; returns the owner id."""
+    check_owner_id(peer_id, "peer id")
+    owner = Identity.from_file(owner_key, "--owner-key")
+    target = Path(out)
+    if target.exists() and not force:
+        raise UserError(f"--out {out} already exists: give a new path, or --force to replace it")
+    signature = owner.sign(_member_message(peer_id))
+    text = f"{CERT_HEADER}\n{owner.public_der.hex()}\n{peer_id}\n{signature.hex()}\n"
+    try:
+        target.write_text(text, encoding="ascii")
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write it ({exc.strerror})") from None
+    return owner.peer_id
+
+
+def read_certificate(path: str, owner: str, identity: str | None) -> bytes:
+    """This peer's certificate, checked against the owner id and its own identity; the proof its
+    records carry. UserError says what is wrong with the file or the options."""
+    where = f"--certificate {path}"
+    if identity is None:
+        raise UserError(f"{where} names one peer id: give that peer's --identity file too")
+    try:
+        lines = Path(path).read_text(encoding="ascii").splitlines()
+        if len(lines) != 4 or lines[0] != CERT_HEADER:
+            raise ValueError
+        owner_der, peer, signature = bytes.fromhex(lines[1]), lines[2].strip(), bytes.fromhex(lines[3])
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file (the run's owner makes it with `p2p-cocodc admit`)") from None
+    except (OSError, UnicodeDecodeError, ValueError, IndexError):
+        raise UserError(f"{where} is not a certificate made by `p2p-cocodc admit`") from None
+    mine = Identity.from_file(identity).peer_id
+    if peer != mine:
+        raise UserError(f"{where} admits peer {peer}, and this peer's --identity {identity} is {mine}")
+    proof = msgpack.packb([owner_der, signature], use_bin_type=True)
+    if peer_id_of_or_none(owner_der) != owner:
+        raise UserError(f"{where} was signed by owner {peer_id_of_or_none(owner_der)}, not --owner {owner}")
+    if not _certifies(owner, peer, proof):
+        raise UserError(f"{where}: the owner's signature does not verify; the file is damaged")
+    return proof
+
+
+def _certifies(owner: str, peer_id: str, proof: bytes) -> bool:
+    try:
+        owner_der, signature = msgpack.unpackb(proof, raw=True, max_bin_len=MAX_KEY_BYTES, max_array_len=2)
+    except Exception:  # noqa: BLE001 - msgpack raises several types on garbage
+        return False
+    if not isinstance(owner_der, bytes) or not isinstance(signature, bytes):
+        return False
+    return peer_id_of_or_none(owner_der) == owner and verify(owner_der, _member_message(peer_id), signature)
+
+
+def check_owner_id(text: str, what: str = "--owner") -> None:
+    """A peer id as libp2p writes it (base58, as `p2p-cocodc keygen --owner` and `peer-id` print)."""
+    import base58
+
+    try:
+        ok = 0 < len(text) <= MAX_PEER_ID and len(base58.b58decode(text)) >= 16
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UserError(f"{what} {text!r} is not a peer id (base58, as `p2p-cocodc peer-id` prints it)")
 
 
 # ---- identities ----
@@ -173,7 +298,7 @@ class Identity:
         self.peer_id = peer_id_of(self.public_der)
 
     @classmethod
-    def from_file(cls, path: str) -> Identity:
+    def from_file(cls, path: str, flag: str = "--identity") -> Identity:
         from hivemind.proto import crypto_pb2
 
         try:
@@ -183,10 +308,10 @@ class Identity:
                 raise ValueError("not an RSA identity")
             return cls(protobuf.data)
         except OSError as exc:
-            raise UserError(f"--identity {path}: cannot read it ({exc.strerror})") from None
+            raise UserError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
         except Exception as exc:  # noqa: BLE001 - protobuf and cryptography raise many types for bad keys
             raise UserError(
-                f"--identity {path} is not a private key file ({type(exc).__name__}); "
+                f"{flag} {path} is not a private key file ({type(exc).__name__}); "
                 "give the file an earlier run created, or a new path to create one"
             ) from None
 
@@ -201,6 +326,17 @@ class Identity:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["der"])  # type: ignore[misc]
+
+
+def ensure_identity(path: str) -> Identity:
+    """The identity in ``path``, created there first if the file does not exist."""
+    from hivemind.p2p import P2P
+
+    if not os.path.exists(path):
+        if not Path(path).parent.is_dir():
+            raise UserError(f"--identity {path}: folder {Path(path).parent} does not exist")
+        P2P.generate_identity(path)
+    return Identity.from_file(path)
 
 
 def check_identity(path: str) -> None:
@@ -274,7 +410,7 @@ def open_envelope(raw: Any) -> Envelope | None:
     limits = (
         (value, MAX_VALUE_BYTES),
         (public_der, MAX_KEY_BYTES),
-        (proof, 64),
+        (proof, MAX_PROOF_BYTES),
         (signature, MAX_SIGNATURE_BYTES),
     )
     if not all(isinstance(x, bytes) and len(x) <= limit for x, limit in limits):
