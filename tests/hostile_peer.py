@@ -4,7 +4,9 @@ swarm key) with one behaviour changed. Run it as ``python -m tests.hostile_peer 
 - ``scale``: every outer gradient it sends is 10× its real one;
 - ``flip``: every outer gradient it sends points the other way (−1×);
 - ``replay``: it sends, in every round of a fragment, its first outer gradient of that fragment;
-- ``flood``: at every round it reaches, it also opens 40 rounds that never end on every peer.
+- ``flood``: at every round it reaches, it also opens 40 rounds that never end on every peer;
+- ``forge``: at every round it reaches, it hands every peer a group of that peer alone (each would
+  complete the round alone, and θ̄ would split).
 
 MODES is a comma-separated list. Everything else is the landed peer, unchanged.
 """
@@ -16,9 +18,9 @@ import sys
 import torch
 
 from p2p_cocodc.swarm.exchange import FragmentExchange
-from p2p_cocodc.swarm.messages import Join
+from p2p_cocodc.swarm.messages import Group, Join
 
-MODES = ("scale", "flip", "replay", "flood")
+MODES = ("scale", "flip", "replay", "flood", "forge")
 
 
 def corrupt(modes: set[str]) -> None:
@@ -37,6 +39,10 @@ def corrupt(modes: set[str]) -> None:
                 for peer in self._board():
                     for i in range(40):
                         self._start_send(peer, Join(f"flood-{step}-{i}", self.shard, self.fingerprint))
+            if "forge" in modes:
+                for peer, record in self.board_view().items():
+                    if peer != self.peer_id and record.shard is not None:
+                        self._start_send(peer, Group(round_id, ((peer, record.shard),), 0))
         return await honest(self, round_id, vector, step, take_part, pace)
 
     FragmentExchange.allreduce = allreduce  # type: ignore[method-assign]

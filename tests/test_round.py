@@ -308,11 +308,13 @@ def test_a_member_list_that_puts_this_peer_first_and_that_it_never_decided_is_re
     # B is first in line in that list, so only B itself could have decided it: B ignores it, names C,
     # and the round completes in one honest group
     net = Net({A: [B, C], B: [A, C], C: [A, B]})
-    net.start(B, full(2.0))
     shard_b = sorted(net.machines).index(B)
-    effects = net.machines[B].handle(Received(C, Group(ROUND, ((B, shard_b),), 0)), net.now)
-    assert [e.peer for e in effects if isinstance(e, Accuse)] == [C]
-    assert net.machines[B].members is None
+    forged = Received(C, Group(ROUND, ((B, shard_b),), 0))
+    before = net.machines[B].handle(forged, net.now)  # before B reached the round: it must not fail it
+    net.start(B, full(2.0))
+    effects = net.machines[B].handle(forged, net.now)
+    assert [e.peer for e in before + effects if isinstance(e, Accuse)] == [C, C]
+    assert net.machines[B].members is None and B not in net.outcomes
     net.start(A, full(4.0))
     net.start(C, full(6.0))
     net.run(30, net.settled(A, B, C))

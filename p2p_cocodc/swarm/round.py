@@ -962,9 +962,10 @@ class RoundMachine:
     def _forged_lead(self, members: Members) -> bool:
         """A group is only ever decided by its first member in line (every joiner chose a leader
         before itself in line, and the leader lists itself), so a list that puts this peer first
-        and is not the one it decided is forged: a member handing out groups of one to split θ̄.
-        Before reaching the round such a list may be an earlier process's of this peer (restarted)."""
-        if not members or self.phase not in (Phase.FORMING, Phase.RUNNING) or members == self.members:
+        and is not the one it decided is forged: a member handing out groups of one to split θ̄, or
+        making a peer fail rounds before it reaches them. (An earlier process of this peer, since
+        restarted, may have decided it: its members then recover when the butterfly times out.)"""
+        if not members or members == self.members:
             return False
         return min((peer for peer, _ in members), key=self.rank) == self.me
 
