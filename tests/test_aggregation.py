@@ -19,26 +19,11 @@ from p2p_cocodc.errors import UserError
 from p2p_cocodc.metrics import RunLog, read_records
 from p2p_cocodc.names import AGGREGATES
 from p2p_cocodc.sim import Simulation
+from tests.test_algorithms import SMALL
 
 RULES = [Aggregation(rule=rule) for rule in AGGREGATES]
 # the test config of test_algorithms (nano model), with 4 workers so slices have 4 members
-SIM = TrainConfig(
-    model="nano",
-    tokenizer="byte",
-    seq_len=32,
-    batch_size=4,
-    workers=4,
-    steps=32,
-    inner_steps=8,
-    fragments=2,
-    overlap=2,
-    eval_every=16,
-    eval_batches=2,
-    step_time=0.05,
-    lr=3e-3,
-    warmup=4,
-    threads=1,
-)
+SIM = replace(SMALL, workers=4, fragments=2, threads=1)
 
 
 def t(*values: float) -> torch.Tensor:
