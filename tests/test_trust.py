@@ -52,7 +52,7 @@ def test_keygen_writes_a_key_that_reads_back_with_a_stable_public_id(tmp_path: P
     assert kid == trust.key_id(key) == trust.key_id(bytes(key)) == Membership(key).key_id
     assert len(kid) == 16 and all(c in "0123456789abcdef" for c in kid)
     assert kid not in path.read_text() and key.hex()[:16] != kid  # the id names the key, it is not the key
-    assert Membership.from_file(str(path)) == Membership(key)
+    assert Membership.from_options(str(path)) == Membership(key)
     other = tmp_path / "other.key"
     assert trust.keygen(str(other)) != kid  # a fresh key each time
     assert trust.read_swarm_key(str(other)) != key
@@ -118,7 +118,7 @@ def test_a_bad_key_file_is_one_user_error_line_naming_the_file_and_the_remedy(
     assert "\n" not in message and str(path) in message and "--swarm-key-file" in message
     assert remedy in message
     with pytest.raises(UserError):
-        Membership.from_file(str(path))
+        Membership.from_options(str(path))
 
 
 def test_a_good_key_file_reads_the_key_it_holds(tmp_path: Path) -> None:
@@ -146,7 +146,7 @@ def test_a_membership_proof_is_bound_to_its_peer_id() -> None:
 
 def test_an_open_membership_admits_anything() -> None:
     everyone = Membership()
-    assert everyone.is_open and everyone.key_id == trust.OPEN and Membership.from_file(None) == everyone
+    assert everyone.is_open and everyone.key_id == trust.OPEN and Membership.from_options() == everyone
     assert everyone.proof("QmAlice") == b""
     for proof in (b"", b"junk", Membership(KEY).proof("QmAlice"), bytes(64)):
         assert everyone.admits("QmAlice", proof)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 import os
 import secrets
@@ -43,6 +44,8 @@ from typing import Any
 import msgpack
 
 from p2p_cocodc.errors import UserError
+
+log = logging.getLogger(__name__)
 
 KEY_HEADER = "p2p-cocodc swarm key v1"
 KEY_BYTES = 32
@@ -346,7 +349,7 @@ def check_identity(path: str) -> None:
 
 
 def verify(public_der: bytes, data: bytes, signature: bytes) -> bool:
-    from cryptography.exceptions import InvalidSignature
+    from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
@@ -355,7 +358,7 @@ def verify(public_der: bytes, data: bytes, signature: bytes) -> bool:
         if not isinstance(key, rsa.RSAPublicKey):
             return False
         key.verify(signature, data, padding.PKCS1v15(), hashes.SHA256())
-    except (InvalidSignature, ValueError, TypeError):
+    except (InvalidSignature, UnsupportedAlgorithm, ValueError, TypeError):  # a key or signature from anyone
         return False
     return True
 
@@ -452,6 +455,7 @@ class BoardValidator:
     ) -> None:
         self.identity = identity
         self.membership = membership
+        self.rejected = 0  # records refused (logged: the first, then every 100th)
         # the DHT keys whose records need a membership proof (None: every key; a keyed bootstrap)
         self.protected = None if protected is None else {dht_key_id(k) for k in protected}
 
@@ -462,7 +466,12 @@ class BoardValidator:
         return msgpack.packb(envelope, use_bin_type=True)
 
     def validate(self, record: Any) -> bool:
-        return self.why_invalid(record) is None
+        why = self.why_invalid(record)
+        if why is not None:
+            self.rejected += 1
+            if self.rejected % 100 == 1:  # the first, then every 100th: a flood must not flood the log
+                log.warning("refusing a board record: %s (%d refused so far)", why, self.rejected)
+        return why is None
 
     def why_invalid(self, record: Any) -> str | None:
         """None for a valid record, else what is wrong with it (for tests and logs)."""
@@ -477,13 +486,14 @@ class BoardValidator:
         expiration = record.expiration_time
         if not math.isfinite(expiration) or expiration - get_dht_time() > MAX_EXPIRATION_S:
             return f"expires more than {MAX_EXPIRATION_S:.0f} s ahead (or never)"
-        if peer_id_of_or_none(envelope.public_der) != writer:
-            return "signed by another peer than the one its subkey names"
         signed = _signed_bytes(
             record.key, record.subkey, envelope.value, record.expiration_time, envelope.proof
         )
         if not verify(envelope.public_der, signed, envelope.signature):
             return "bad signature"
+        signer = peer_id_of_or_none(envelope.public_der)  # its signature verified: it did sign this
+        if signer != writer:
+            return f"signed by another peer ({signer}) than the one its subkey names ({writer})"
         if not _decodes(envelope.value):  # hivemind decodes it after us, where an error hangs the reader
             return "a value readers cannot decode"
         needs_proof = self.protected is None or record.key in self.protected
