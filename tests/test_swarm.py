@@ -225,6 +225,9 @@ def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
     assert replayed["global_params_sha256"] == summaries[0]["global_params_sha256"]
 
 
+JOIN_STEPS = 1600  # the founders must still train when the crashed peer is back (its start takes ~10 s)
+
+
 def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: Path) -> None:
     """A fourth peer joins a three-peer run under way (--max-peers 4): it takes θ̄, the outer
     momentum and the schedule from the others at the end of a step and trains from there; a fifth
@@ -235,7 +238,7 @@ def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: P
     boot = start_bootstrap(tmp_path)
     # the configured pace: the founders must still be training when the crashed peer comes back,
     # and a run paced by this loaded machine's slow acknowledgements can go twice as fast
-    common = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", "800"]
+    common = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", str(JOIN_STEPS)]
     common += ["--pace", "fixed", "--max-peers", "4", "--run-id", "elastic", "--verbose"]
 
     def start(name: str, identity: str, *extra: str) -> subprocess.Popen:
@@ -279,7 +282,7 @@ def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: P
     logs = "\n".join((tmp_path / f"{name}.log").read_text()[-4000:] for name in finishers)
     hashes = {name: s["global_params_sha256"] for name, s in summaries.items()}
     assert len(set(hashes.values())) == 1, (hashes, logs)
-    assert all(s["kind"] == "summary" and s["steps"] == 800 for s in summaries.values())
+    assert all(s["kind"] == "summary" and s["steps"] == JOIN_STEPS for s in summaries.values())
     assert summaries["joiner"]["joined_at"] > 0 and summaries["peer1-again"]["joined_at"] > 0
     assert summaries["joiner"]["shard"] == 3  # the one shard the founders left free
     assert sorted(s["shard"] for s in summaries.values()) == [0, 1, 2, 3]  # peer1 took its old one back
@@ -290,14 +293,14 @@ def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: P
     for name in ("peer0", "peer2"):
         seen = [r for r in records(tmp_path / f"{name}.jsonl") if r["kind"] == "eval"][: before_kill[name]]
         rate = seen[-1]["stall_s"] / max(seen[-1]["step"], 1)
-        crash_cost = summaries[name]["stall_s"] - seen[-1]["stall_s"] - rate * (800 - seen[-1]["step"])
+        crash_cost = summaries[name]["stall_s"] - seen[-1]["stall_s"] - rate * (JOIN_STEPS - seen[-1]["step"])
         assert crash_cost < 2 * (8 + 17), (name, crash_cost, summaries)
     # the donors' training waited only to copy their state (a memcpy of θ̄ and the momentum)
     assert all(summaries[n]["state_copy_s"] < 1.0 for n in ("peer0", "peer2")), summaries
     # the joiner took part in rounds: its shard is among the members of later rounds
     members = [r["members"] for r in records(tmp_path / "peer0.jsonl") if r["kind"] == "round"]
     assert any(3 in m for m in members) and any(1 in m for m in members[-4:]), members
-    replay = ["simulate", "--algo", "cocodc", *TINY, "--steps", "800", "--max-peers", "4"]
+    replay = ["simulate", "--algo", "cocodc", *TINY, "--steps", str(JOIN_STEPS), "--max-peers", "4"]
     sim = run_cli([*replay, "--events", "peer0.jsonl", "--out", "replay.jsonl"], tmp_path, timeout=180)
     assert sim.returncode == 0, sim.stderr
     assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == hashes["peer0"]
