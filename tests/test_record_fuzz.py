@@ -56,7 +56,7 @@ def check_envelope(env: Envelope | None) -> None:
     limits = (
         (env.value, trust.MAX_VALUE_BYTES),
         (env.public_der, trust.MAX_KEY_BYTES),
-        (env.proof, 64),
+        (env.proof, trust.MAX_PROOF_BYTES),
         (env.signature, trust.MAX_SIGNATURE_BYTES),
     )
     for field, limit in limits:
@@ -69,7 +69,10 @@ def test_open_envelope_takes_arbitrary_bytes(raw: bytes) -> None:
     check_envelope(trust.open_envelope(raw))
 
 
-envelope_fields = values | st.binary(max_size=64) | st.integers(2000, 3000).map(bytes)  # past the key limit
+PAST_A_LIMIT = st.sampled_from([trust.MAX_KEY_BYTES, trust.MAX_PROOF_BYTES, trust.MAX_VALUE_BYTES]).map(
+    lambda n: bytes(n + 1)
+)
+envelope_fields = values | st.binary(max_size=64) | PAST_A_LIMIT
 envelope_like = st.builds(
     lambda magic, rest: [magic, *rest],
     st.sampled_from([trust.MAGIC, b"p2c0", "p2c1", None]),

@@ -56,19 +56,27 @@ MAX_KEY_BYTES = 2048  # a DER RSA public key of up to 8192 bits
 MAX_SIGNATURE_BYTES = 1024
 MAX_PEER_ID = 128
 MAX_PROOF_BYTES = 3 * 1024  # an owner's certificate: its public key and signature
+MAX_ENVELOPE_BYTES = MAX_VALUE_BYTES + MAX_KEY_BYTES + MAX_PROOF_BYTES + MAX_SIGNATURE_BYTES + 64  # + framing
 MAX_EXPIRATION_S = 300.0  # a record may expire at most this far ahead (lifetimes are ≤ 120 s; clocks drift)
 
 
 # ---- the swarm key ----
 
 
-def keygen(path: str, force: bool = False) -> str:
-    """Write a new swarm key file (mode 0600); returns its key id. Refuses to overwrite without ``force``."""
+def new_file(path: str, force: bool, flag: str = "") -> Path:
+    """Where a key or certificate will be written: refused when it exists (unless ``force``) or
+    its folder does not."""
     target = Path(path)
     if target.exists() and not force:
-        raise UserError(f"{path} already exists: give a new path, or --force to replace that key")
+        raise UserError(f"{flag}{path} already exists: give a new path, or --force to replace it")
     if not target.parent.is_dir():
-        raise UserError(f"{path}: folder {target.parent} does not exist")
+        raise UserError(f"{flag}{path}: folder {target.parent} does not exist")
+    return target
+
+
+def keygen(path: str, force: bool = False) -> str:
+    """Write a new swarm key file (mode 0600); returns its key id. Refuses to overwrite without ``force``."""
+    target = new_file(path, force)
     key = secrets.token_bytes(KEY_BYTES)
     tmp = target.with_name(f".{target.name}.tmp")
     try:
@@ -188,11 +196,7 @@ def owner_keygen(path: str, force: bool = False) -> str:
     """Write a new owner key (an RSA identity file, mode 0600); returns the owner id to give peers."""
     from hivemind.p2p import P2P
 
-    target = Path(path)
-    if target.exists() and not force:
-        raise UserError(f"{path} already exists: give a new path, or --force to replace that key")
-    if not target.parent.is_dir():
-        raise UserError(f"{path}: folder {target.parent} does not exist")
+    target = new_file(path, force)
     tmp = target.with_name(f".{target.name}.tmp")
     with suppress(OSError):
         tmp.unlink()
@@ -209,9 +213,7 @@ def admit(owner_key: str, peer_id: str, out: str, force: bool = False) -> str:
     """Sign a certificate that lets ``peer_id`` take part in the owner's runs; returns the owner id."""
     check_owner_id(peer_id, "peer id")
     owner = Identity.from_file(owner_key, "--owner-key")
-    target = Path(out)
-    if target.exists() and not force:
-        raise UserError(f"--out {out} already exists: give a new path, or --force to replace it")
+    target = new_file(out, force, "--out ")
     signature = owner.sign(_member_message(peer_id))
     text = f"{CERT_HEADER}\n{owner.public_der.hex()}\n{peer_id}\n{signature.hex()}\n"
     try:
@@ -401,7 +403,7 @@ class Envelope:
 
 def open_envelope(raw: Any) -> Envelope | None:
     """An envelope from untrusted bytes, every field typed and bounded, or None."""
-    if not isinstance(raw, bytes) or len(raw) > MAX_VALUE_BYTES + MAX_KEY_BYTES + MAX_SIGNATURE_BYTES + 256:
+    if not isinstance(raw, bytes) or len(raw) > MAX_ENVELOPE_BYTES:
         return None
     try:
         items = msgpack.unpackb(raw, raw=True, max_bin_len=MAX_VALUE_BYTES, max_array_len=8, max_map_len=0)
