@@ -18,28 +18,57 @@ from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.names import HF_PREFIX
 
 
-def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """One click option per TrainConfig field, all defaulting to None so the file can fill them."""
+class Option(click.Option):
+    """click's option, but a default stated in words reads as it is written (click wraps it in
+    parentheses), so that every default in --help reads ``[default: …]``."""
+
+    def get_help_extra(self, ctx: click.Context) -> Any:
+        extra = super().get_help_extra(ctx)
+        if isinstance(self.show_default, str):
+            extra["default"] = self.show_default
+        return extra
+
+
+def option(*names: str, **kwargs: Any) -> Callable[..., Any]:
+    return click.option(*names, cls=Option, **kwargs)
+
+
+SIMULATOR_ONLY = ("events",)  # fields that mean nothing to a peer: not options of join
+
+
+def training_options(command: Callable[..., Any] | None = None, *, peer: bool = False) -> Any:
+    """One click option per TrainConfig field, all defaulting to None so the file can fill them
+    (``peer``: leave out the simulator's own)."""
+    if command is None:
+        return lambda c: training_options(c, peer=peer)
     for name, f in reversed(FIELDS.items()):
+        if peer and name in SIMULATOR_ONLY:
+            continue
         flag = "--" + name.replace("_", "-")
-        help_text = f"{f.metadata['help']} [default: {f.default}]"
+        shown = {"help": f.metadata["help"], "show_default": f.metadata["shown"]}
         if str(f.type).startswith("bool"):
-            command = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(command)
+            command = option(f"{flag}/--no-{flag[2:]}", name, default=None, **shown)(command)
         else:
-            command = click.option(flag, name, default=None, help=help_text, metavar=_metavar(f))(command)
-    return click.option(
+            command = option(flag, name, default=None, metavar=_metavar(f), **shown)(command)
+    return option(
         "--config",
         "config_path",
-        type=click.Path(),
+        type=click.Path(dir_okay=False),
         default=None,
-        help="TOML file with the same keys; command-line values override it",
+        help="TOML profile with the same keys; command-line values override it",
     )(command)
+
+
+# click's own names for its types, so that every option of every command reads alike
+METAVARS = {"int": "INTEGER", "float": "FLOAT", "str": "TEXT"}
 
 
 def _metavar(f: Any) -> str:
     if f.metadata["choices"]:
         return "[" + "|".join(f.metadata["choices"]) + "]"
-    kind = str(f.type).split(" |")[0].upper()
+    if f.metadata["path"]:
+        return f.metadata["path"]
+    kind = METAVARS[str(f.type).split(" |")[0]]
     return kind + ("|auto" if f.metadata["auto"] else "")
 
 
@@ -107,15 +136,23 @@ def stop_on_signals() -> Iterator[Callable[[], signal.Signals | None]]:
             signal.signal(sig, handler)
 
 
-@click.group()
+ENV_PREFIX = "P2P_COCODC"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": ENV_PREFIX})
 @click.version_option(package_name="p2p-cocodc")
 def cli() -> None:
-    """Train one model across regions joined by slow links: DiLoCo, Streaming DiLoCo, CoCoDC."""
+    """Train one model across regions joined by slow links: DiLoCo, Streaming DiLoCo, CoCoDC.
+
+    Every option may also come from the environment, as P2P_COCODC_<COMMAND>_<OPTION> (for
+    example P2P_COCODC_JOIN_BOOTSTRAP=host:31338, P2P_COCODC_SIMULATE_STEPS=96), and every
+    training option from a --config profile. The command line wins over the environment, and the
+    environment over the profile."""
 
 
 @cli.command()
 @training_options
-@click.option("--quiet", is_flag=True, help="no progress bar")
+@option("--quiet", is_flag=True, help="no progress bar")
 def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     """Simulate M workers over a modelled WAN in one process (virtual clock).
 
@@ -160,55 +197,59 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
 
 
 @cli.command()
-@training_options
-@click.option("--bootstrap", default=None, help="bootstrap multiaddr, or the HOST:PORT it printed")
-@click.option("--run-id", default=None, help="runs sharing one DHT stay apart [default: default]")
-@click.option("--host", default=None, help="address this peer listens on [default: 127.0.0.1]")
-@click.option("--port", type=int, default=None, help="libp2p port [default: 0, any free one]")
-@click.option("--announce", default=None, help="address other peers dial (default: --host)")
-@click.option("--shard", default=None, metavar="I/N", help="read data shard I of N (default: by peer id)")
-@click.option(
+@training_options(peer=True)
+@option("--bootstrap", default=None, help="bootstrap multiaddr, or the HOST:PORT it printed")
+@option("--run-id", default=None, help="runs sharing one DHT stay apart", show_default="default")
+@option("--host", default=None, metavar="HOST", help="address this peer listens on", show_default="127.0.0.1")
+@option("--port", type=int, default=None, help="libp2p port", show_default="0, any free one")
+@option("--announce", default=None, metavar="HOST", help="address other peers dial", show_default="--host")
+@option("--shard", default=None, metavar="I/N", help="read data shard I of N", show_default="a free one")
+@option(
     "--identity",
     default=None,
     metavar="FILE",
-    help="private key file, created if missing: a restarted peer keeps its id (default: a new id each run)",
+    help="private key file, created if missing: a restarted peer keeps its id",
+    show_default="a new id each run",
 )
-@click.option(
+@option(
     "--swarm-key-file",
     default=None,
     metavar="FILE",
-    help="admit only holders of this key (made by `p2p-cocodc keygen`) [default: an open run]",
+    help="admit only holders of this key (made by `p2p-cocodc keygen`)",
+    show_default="an open run",
 )
-@click.option(
+@option(
     "--owner",
     default=None,
     metavar="OWNER_ID",
     help="admit only peers certified by this owner (the id `p2p-cocodc keygen --owner` printed)",
 )
-@click.option(
+@option(
     "--certificate",
     default=None,
     metavar="FILE",
     help="with --owner: this peer's certificate (from the owner's `p2p-cocodc admit`; needs --identity)",
 )
-@click.option(
-    "--wait-peers", type=float, default=None, help="seconds to wait for --workers peers [default: 300]"
+@option(
+    "--wait-peers", type=float, default=None, help="seconds to wait for --workers peers", show_default="300"
 )
-@click.option(
+@option(
     "--round-timeout",
     type=float,
     default=None,
-    help="seconds a sync may take beyond what measured step times predict [default: 60]",
+    help="seconds a sync may take beyond what measured step times predict",
+    show_default="60",
 )
-@click.option(
+@option(
     "--pace",
     type=click.Choice(["link", "fixed"]),
     default=None,
     help="link: when this peer's link cannot carry cocodc's sends, ask the swarm to send less "
-    "(every peer takes the pace a round agreed); fixed: never ask [default: link]",
+    "(every peer takes the pace a round agreed); fixed: never ask",
+    show_default="link",
 )
-@click.option("--quiet", is_flag=True, help="no progress bar")
-@click.option("--verbose", "-v", is_flag=True, help="log every round's group, leader and recovery")
+@option("--quiet", is_flag=True, help="no progress bar")
+@option("--verbose", "-v", is_flag=True, help="log every round's group, leader and recovery")
 def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) -> None:
     """Join a swarm as one peer (one region) and train with the others.
 
@@ -287,42 +328,43 @@ def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
 
 
 @cli.command()
-@click.option(
+@option(
     "--identity",
     default="bootstrap.id",
     show_default=True,
     help="private key file, created on first run; keeps the peer id (and so the join address) stable",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: all)")
-@click.option(
+@option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: all)")
+@option(
     "--port",
     type=int,
     default=31337,
     show_default=True,
     help="libp2p port; fixed so restarts keep the address",
 )
-@click.option("--announce", default=None, metavar="HOST", help="public address peers dial (default: --host)")
-@click.option(
+@option("--announce", default=None, metavar="HOST", help="public address peers dial", show_default="--host")
+@option(
     "--address-file", default="bootstrap.json", show_default=True, help="write the join addresses here (JSON)"
 )
-@click.option("--status-host", default=None, help="address of the HTTP server (default: --host)")
-@click.option(
+@option(
+    "--status-host", default=None, metavar="HOST", help="address of the HTTP server", show_default="--host"
+)
+@option(
     "--status-port",
     type=int,
     default=31338,
     show_default=True,
     help="HTTP port serving /address (for join --bootstrap HOST:PORT), /status and /health",
 )
-@click.option(
-    "--refresh", type=float, default=1.0, show_default=True, help="seconds between reads of swarm status"
-)
-@click.option(
+@option("--refresh", type=float, default=1.0, show_default=True, help="seconds between reads of swarm status")
+@option(
     "--swarm-key-file",
     default=None,
     metavar="FILE",
-    help="accept records only from holders of this key (made by `p2p-cocodc keygen`) [default: open]",
+    help="accept records only from holders of this key (made by `p2p-cocodc keygen`)",
+    show_default="open",
 )
-@click.option(
+@option(
     "--owner",
     default=None,
     metavar="OWNER_ID",
@@ -363,27 +405,28 @@ def bootstrap(
 def _demo_option(name: str, default: Any = None, **kwargs: Any) -> Callable[..., Any]:
     """A join option the demo passes through: join's help text; default None means join's default."""
     f = FIELDS[name]
-    shown = default if default is not None else f.default
+    shown = default if default is not None else f.metadata["shown"]
     if f.metadata["choices"]:
         kwargs["type"] = click.Choice(f.metadata["choices"])
-    return click.option(
+    return option(
         "--" + name.replace("_", "-"),
         name,
         default=default,
         metavar=_metavar(f),
-        help=f"{f.metadata['help']} [default: {shown}]",
+        help=f.metadata["help"],
+        show_default=str(shown),
         **kwargs,
     )
 
 
 @cli.command()
-@click.option("--peers", type=click.IntRange(1, 16), default=3, show_default=True, help="peers to start")
+@option("--workers", "peers", type=click.IntRange(1, 16), default=3, show_default=True, help="peers to start")
 @_demo_option("algo", "cocodc")
 @_demo_option("model", "micro")
 @_demo_option("steps", 192, type=int)
 @_demo_option("inner_steps", 48, type=int)
 @_demo_option("fragments", 4, type=int)
-@_demo_option("overlap", "12")
+@_demo_option("overlap")
 @_demo_option("eval_every", 24, type=int)
 @_demo_option("eval_batches", type=int)
 @_demo_option("tokenizer")
@@ -391,12 +434,16 @@ def _demo_option(name: str, default: Any = None, **kwargs: Any) -> Callable[...,
 @_demo_option("batch_size", type=int)
 @_demo_option("device")
 @_demo_option("precision")
-@click.option(
-    "--workdir", type=click.Path(), default=None, help="logs and records go here [default: a new temp dir]"
+@option(
+    "--workdir",
+    type=click.Path(),
+    default=None,
+    help="logs and records go here",
+    show_default="a new temp dir",
 )
-@click.option("--quiet", is_flag=True, help="no live progress bars")
+@option("--quiet", is_flag=True, help="no live progress bars")
 def demo(peers: int, workdir: str | None, quiet: bool, **training: Any) -> None:
-    """A whole swarm on this machine: a bootstrap and --peers peers on 127.0.0.1, live, then results."""
+    """A whole swarm on this machine: a bootstrap and --workers peers on 127.0.0.1, live, then results."""
     from p2p_cocodc.demo import run_demo
 
     click.echo(run_demo(peers, training, workdir, quiet))
@@ -404,10 +451,8 @@ def demo(peers: int, workdir: str | None, quiet: bool, **training: Any) -> None:
 
 @cli.command()
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--force", is_flag=True, help="replace an existing key (holders of the old one are shut out)")
-@click.option(
-    "--owner", is_flag=True, help="an owner key, to certify peers with `admit`, not a shared secret"
-)
+@option("--force", is_flag=True, help="replace an existing key (holders of the old one are shut out)")
+@option("--owner", is_flag=True, help="an owner key, to certify peers with `admit`, not a shared secret")
 def keygen(path: str, force: bool, owner: bool) -> None:
     """Create a swarm key file: give it (over a safe channel) to every peer and the bootstrap with
     --swarm-key-file, and only they can take part in your runs. With --owner: an owner key, kept
@@ -426,9 +471,9 @@ def keygen(path: str, force: bool, owner: bool) -> None:
 
 @cli.command()
 @click.argument("peer_id")
-@click.option("--owner-key", required=True, metavar="FILE", help="the owner key (`keygen --owner`)")
-@click.option("--out", required=True, metavar="FILE", help="write the certificate here")
-@click.option("--force", is_flag=True, help="replace an existing certificate file")
+@option("--owner-key", required=True, metavar="FILE", help="the owner key (`keygen --owner`)")
+@option("--out", required=True, metavar="FILE", help="write the certificate here")
+@option("--force", is_flag=True, help="replace an existing certificate file")
 def admit(peer_id: str, owner_key: str, out: str, force: bool) -> None:
     """Certify PEER_ID (what `p2p-cocodc peer-id` printed on that peer) for the runs of your owner
     key: the peer joins with --owner, --identity and --certificate."""
@@ -449,13 +494,14 @@ def peer_id(identity: str) -> None:
 
 @cli.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
-@click.option(
+@option(
     "--target-ppl",
     type=float,
     default=None,
-    help="perplexity to reach (default: the worst final perplexity among the runs)",
+    help="perplexity to reach",
+    show_default="the worst final perplexity among the runs",
 )
-@click.option("--plot", "plot_path", type=click.Path(), default=None, help="write a PNG here")
+@option("--plot", "plot_path", type=click.Path(), default=None, help="write a PNG here")
 def compare(runs: tuple[str, ...], target_ppl: float | None, plot_path: str | None) -> None:
     """Compare runs: final perplexity, steps and time to a target perplexity, bytes."""
     from p2p_cocodc.compare import compare_runs

@@ -29,6 +29,9 @@ def time_axis(evals: list[dict[str, Any]]) -> str:
     return "sim_time_s" if "sim_time_s" in evals[0] else "wall_time_s"
 
 
+CLOCKS = {"sim_time_s": "simulated", "wall_time_s": "wall"}  # what a run's seconds are
+
+
 EVAL_KEYS = {"step", "val_ppl", "bytes_sent"}
 SUMMARY_KEYS = {"algo", "steps", "final_val_ppl", "bytes_sent", "stall_s"}
 
@@ -66,7 +69,7 @@ def compare_runs(paths: list[str], target_ppl: float | None, plot_path: str | No
     target = target_ppl if target_ppl is not None else max(s["final_val_ppl"] for _, s in runs.values())
     header = (
         f"{'run':<28} {'algo':<10} {'final ppl':>10} {'steps→' + format(target, '.2f'):>13} "
-        f"{'time→target s':>14} {'MB sent':>9} {'stall s':>8}"
+        f"{'time→target s':>14} {'clock':<9} {'MB sent':>9} {'stall s':>8}"
     )
     lines = [header, "-" * len(header)]
     for name, (evals, summary) in runs.items():
@@ -75,7 +78,7 @@ def compare_runs(paths: list[str], target_ppl: float | None, plot_path: str | No
         lines.append(
             f"{name[:28]:<28} {summary['algo']:<10} {summary['final_val_ppl']:>10.3f} "
             f"{'—' if steps is None else format(steps, '.0f'):>13} "
-            f"{'—' if seconds is None else format(seconds, '.1f'):>14} "
+            f"{'—' if seconds is None else format(seconds, '.1f'):>14} {CLOCKS[time_axis(evals)]:<9} "
             f"{summary['bytes_sent'] / 1e6:>9.2f} {summary['stall_s']:>8.1f}"
         )
     if plot_path is not None:
@@ -91,19 +94,27 @@ def plot_runs(runs: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]], path
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    clocks = {CLOCKS[time_axis(evals)] for evals, _ in runs.values()}
     for name, (evals, _) in runs.items():
         shown = [e for e in evals if e["step"] > 0]
         axis = time_axis(evals)
-        by_step.plot([e["step"] for e in shown], [e["val_ppl"] for e in shown], label=name)
-        by_time.plot([e[axis] for e in shown], [e["val_ppl"] for e in shown], label=name)
+        label = name if len(clocks) == 1 else f"{name} ({CLOCKS[axis]} s)"
+        by_step.plot([e["step"] for e in shown], [e["val_ppl"] for e in shown], label=label)
+        by_time.plot([e[axis] for e in shown], [e["val_ppl"] for e in shown], label=label)
     by_step.set_xlabel("inner step")
-    by_time.set_xlabel("simulated time (s)" if axis == "sim_time_s" else "wall time (s)")
+    by_time.set_xlabel(
+        f"{clocks.pop()} time (s)" if len(clocks) == 1 else "time (s): simulated or wall, see legend"
+    )
     for ax in (by_step, by_time):
         ax.set_ylabel("validation perplexity (θ̄)")
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
     by_step.legend(fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, format="png")
-    plt.close(fig)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, format="png")
+    except OSError as exc:
+        raise UserError(f"--plot {path}: cannot write it ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)

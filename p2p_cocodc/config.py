@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the settings classes live with torch code: imported when fi
     from p2p_cocodc.algorithms.strategies import AlgoSettings
 
 AUTO = "auto"
+BLOCKING = ("ddp", "diloco")  # algorithms that wait for every sync: no overlap
 
 
 def _opt(
@@ -30,11 +31,22 @@ def _opt(
     choices: tuple[str, ...] | None = None,
     auto: bool = False,
     computes: bool = True,
+    shown: str | None = None,
+    path: str | None = None,
 ) -> Any:
     """A field with its help text, allowed string values, whether it accepts 'auto', and whether it
     changes what a run computes or records (``computes``: False for output paths, checkpoint
-    settings and thread count, which a resumed run may change)."""
-    metadata = {"help": help, "choices": choices, "auto": auto, "computes": computes}
+    settings and thread count, which a resumed run may change). ``shown``: the default as --help
+    states it, where the value itself (None) says nothing; ``path``: FILE, DIR or PATH for an
+    option that names one."""
+    metadata = {
+        "help": help,
+        "choices": choices,
+        "auto": auto,
+        "computes": computes,
+        "shown": str(default) if shown is None else shown,
+        "path": path,
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -45,18 +57,19 @@ class TrainConfig:
     workers: int = _opt(4, "number of replicas M (simulated workers, or peers of a swarm)")
     max_peers: int | None = _opt(
         None,
-        "P: at most this many peers take part, joiners included; the train data is cut into P "
-        "shards (default: --workers)",
+        "P: at most this many peers take part, joiners included; the train data is cut into P shards",
+        shown="--workers",
     )
     steps: int = _opt(480, "inner steps T per replica")
     inner_steps: int = _opt(48, "H: inner steps between two syncs of the same fragment")
     fragments: int = _opt(4, "K: number of fragments (units: embedding, each block, final norm)")
     pattern: str = _opt("strided", "how units map to fragments", ("strided", "sequential"))
-    overlap: int | str = _opt(
-        12,
+    overlap: int | str | None = _opt(
+        None,
         "τ: a sync started after step t is applied after step t+τ; 'auto' = "
         "smallest τ that hides the transfer",
         auto=True,
+        shown="H/4 for streaming and cocodc (12 at H = 48), 0 for diloco and ddp",
     )
     alpha: float = _opt(0.5, "streaming merge: θ ← α·θ(now) + (1−α)·new global")
     dc_lambda: float = _opt(0.5, "λ0 of CoCoDC's Taylor delay compensation (0 = re-apply local progress)")
@@ -71,14 +84,15 @@ class TrainConfig:
     )
     transmissions: int | str | None = _opt(
         None,
-        "N: fragment sends per H steps for cocodc (default: K; 'auto' = what the link carries)",
+        "N: fragment sends per H steps for cocodc ('auto' = what the link carries)",
         auto=True,
+        shown="K",
     )
     # outer optimizer
     outer_lr: float = _opt(0.7, "outer Nesterov learning rate η")
     outer_momentum: float = _opt(0.9, "outer Nesterov momentum μ")
     gap_penalty: float = _opt(1.0, "CO2 staleness gap penalty Λ: outer gradient divided by Λ")
-    momentum_clip: float | None = _opt(None, "CO2 outer-momentum clipping φ (default off)")
+    momentum_clip: float | None = _opt(None, "CO2 outer-momentum clipping φ", shown="off")
     codec: str = _opt("fp32", "wire format of exchanged outer gradients", CODEC_NAMES)
     # what the owner of a butterfly slice makes of its members' slices (docs/algorithms.md)
     aggregate: str = _opt(
@@ -103,23 +117,33 @@ class TrainConfig:
         "model preset (nano, micro, tiny, small, base), hf:PATH (a local Hugging Face causal LM and its "
         "tokenizer; needs pip install -e '.[hf]') or module:factory",
     )
-    data: str | None = _opt(None, "UTF-8 text file or folder of .txt files (default: embedded corpus)")
+    data: str | None = _opt(
+        None, "UTF-8 text file or folder of .txt files", shown="the embedded corpus", path="PATH"
+    )
     tokenizer: str = _opt("bpe4096", "tokenizer (an hf: model uses the one in its folder)", TOKENIZERS)
     seq_len: int = _opt(128, "tokens per training sequence")
     batch_size: int = _opt(8, "sequences per inner step per replica")
     seed: int = _opt(0, "seed of the model init (data order is seeded by it too)")
     # WAN model (simulator)
-    latency_ms: float = _opt(100.0, "one-way link latency in milliseconds")
-    bandwidth_mbps: float = _opt(50.0, "link bandwidth in megabits per second")
-    step_time: float | None = _opt(None, "seconds per inner step on the simulated clock (default: measured)")
+    latency_ms: float = _opt(100.0, "one-way link latency in milliseconds (a peer: its link as declared)")
+    bandwidth_mbps: float = _opt(
+        50.0, "link bandwidth in megabits per second (a peer: its link as declared, until measured)"
+    )
+    step_time: float | None = _opt(
+        None, "seconds per inner step (the simulator's clock; a peer's 'auto' τ and N)", shown="measured"
+    )
     # evaluation and output
     eval_every: int = _opt(48, "evaluate θ̄ every E inner steps")
     eval_batches: int = _opt(16, "validation batches per evaluation")
-    out: str | None = _opt(None, "write JSON-lines records here", computes=False)
+    out: str | None = _opt(None, "write JSON-lines records here", computes=False, shown="none", path="FILE")
     save: str | None = _opt(
-        None, "write the final global parameters θ̄ here (safetensors; hf: models: a folder)", computes=False
+        None,
+        "write the final global parameters θ̄ here (safetensors; hf: models: a folder)",
+        computes=False,
+        shown="none",
+        path="PATH",
     )
-    threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)", computes=False)
+    threads: int | None = _opt(None, "torch CPU threads", computes=False, shown="torch's choice")
     # where the replica computes (a region's own choice: peers on different hardware train together)
     device: str = _opt(
         "auto",
@@ -135,12 +159,16 @@ class TrainConfig:
         None,
         "replay a swarm run: a peer's --out file, whose round records say which workers each round "
         "averaged and which rounds failed",
+        shown="none",
+        path="FILE",
     )
     # checkpoints
     checkpoint_dir: str | None = _opt(
         None,
-        "checkpoint the run into this folder (default: no checkpoints); the newest 3 are kept",
+        "checkpoint the run into this folder; the newest 3 are kept",
         computes=False,
+        shown="no checkpoints",
+        path="DIR",
     )
     checkpoint_every: int = _opt(
         0,
@@ -215,6 +243,11 @@ class TrainConfig:
                 f"--{_dash(changed[0])} applies to outer gradients: ddp averages every step's gradients "
                 "as they are (too noisy to screen); leave it out"
             )
+        if self.algo == "ddp" and self.overlap not in (None, 0):
+            raise UserError(
+                f"--overlap {self.overlap}: ddp averages every step's gradients before the next step, "
+                "nothing overlaps; leave --overlap out"
+            )
         if self.algo == "cocodc" and self.transmissions is None and self.fragments > self.inner_steps:
             raise UserError(
                 f"--fragments {self.fragments} must be ≤ --inner-steps {self.inner_steps} for cocodc "
@@ -250,6 +283,8 @@ class TrainConfig:
         from p2p_cocodc.algorithms.strategies import AlgoSettings
 
         tau = self.overlap if overlap is None else overlap
+        if tau is None:  # each algorithm's own default
+            tau = 0 if self.algo in BLOCKING else self.inner_steps // 4
         n = self.transmissions if transmissions is None else transmissions
         return AlgoSettings(
             algo=self.algo,

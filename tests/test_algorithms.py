@@ -293,7 +293,7 @@ def test_every_worker_holds_identical_global_params_after_every_sync(algo: str, 
 
 
 def test_ddp_replicas_stay_identical_and_learn() -> None:
-    sim, summary = simulate(SMALL, algo="ddp", workers=2)
+    sim, summary = simulate(SMALL, algo="ddp", workers=2, overlap=0)
     states = [w.trainer.model.state_dict() for w in sim.workers.values()]
     assert params_sha256(states[0]) == params_sha256(states[1])
     assert summary["final_val_ppl"] < 0.8 * summary["initial_val_ppl"]

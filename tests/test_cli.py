@@ -40,7 +40,8 @@ TINY = [
     "1",
     "--quiet",
 ]
-OVERLAP = {"ddp": "0", "diloco": "0", "streaming": "2", "cocodc": "2"}
+# each algorithm's default τ, which the runs below leave to the CLI: H/4 (H = 8) or 0 for the blocking ones
+OVERLAP = {"ddp": 0, "diloco": 0, "streaming": 2, "cocodc": 2}
 EVAL_KEYS = {"kind", "step", "sim_time_s", "val_loss", "val_ppl", "bytes_sent", "stall_s"}
 SUMMARY_KEYS = {
     "kind",
@@ -78,7 +79,7 @@ def cli(env: dict[str, str], *args: Any, timeout: float = 120) -> subprocess.Com
 
 
 def simulate(env: dict[str, str], algo: str, out: Path, *extra: Any) -> subprocess.CompletedProcess[str]:
-    return cli(env, "simulate", "--algo", algo, "--overlap", OVERLAP[algo], *TINY, "--out", out, *extra)
+    return cli(env, "simulate", "--algo", algo, *TINY, "--out", out, *extra)
 
 
 def in_parallel(jobs: dict[str, list[Any]], env: dict[str, str]) -> dict[str, Any]:
@@ -106,10 +107,7 @@ def runs(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[
     folder = tmp_path_factory.mktemp("runs")
     extra = {"again": [], "seed1": ["--seed", "1"]}
     outs = {key: folder / f"{key}.jsonl" for key in [*OVERLAP, *extra]}
-    jobs = {
-        algo: ["simulate", "--algo", algo, "--overlap", OVERLAP[algo], *TINY, "--out", outs[algo]]
-        for algo in OVERLAP
-    }
+    jobs = {algo: ["simulate", "--algo", algo, *TINY, "--out", outs[algo]] for algo in OVERLAP}
     jobs.update({key: [*jobs["cocodc"][:-1], outs[key], *args] for key, args in extra.items()})
     procs = in_parallel(jobs, env)
     return {key: (procs[key], outs[key]) for key in jobs}
@@ -128,6 +126,7 @@ def test_simulate_end_to_end(runs: dict[str, Any], algo: str) -> None:
 
     recs = records(out)
     evals, summary = recs[:-1], recs[-1]
+    assert summary["overlap"] == OVERLAP[algo]  # no --overlap given: the algorithm's own default
     assert [r["kind"] for r in evals] == ["eval"] * 4
     assert [r["step"] for r in evals] == [0, 8, 16, 24]
     for r in evals:
@@ -265,7 +264,8 @@ def test_compare_table_and_plot(runs: dict[str, Any], env: dict[str, str], tmp_p
         assert row[1] == algo
         assert float(row[2]) == pytest.approx(summary["final_val_ppl"], abs=1e-3)
         assert 0 < float(row[3]) <= 24  # both runs reach the worst final perplexity
-        assert float(row[5]) == pytest.approx(summary["bytes_sent"] / 1e6, abs=0.01)
+        assert row[5] == "simulated"  # the clock of the time column
+        assert float(row[6]) == pytest.approx(summary["bytes_sent"] / 1e6, abs=0.01)
     data = plot.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
 
@@ -296,6 +296,7 @@ BAD_INPUTS = {  # id: (arguments, what the error line must name); {name} is a fi
     "alpha-nan": (["--alpha", "nan"], ["--alpha"]),
     "transmissions-0": (["--transmissions", "0"], ["--transmissions"]),
     "diloco-overlap": (["--algo", "diloco", "--overlap", "2"], ["--overlap"]),
+    "ddp-overlap": (["--algo", "ddp", "--overlap", "2"], ["--overlap 2", "ddp"]),
 }
 
 
@@ -405,3 +406,62 @@ def test_help_lists_every_choice_without_importing_torch(env: dict[str, str]) ->
         [sys.executable, "-m", "p2p_cocodc", "simulate", "--help"], capture_output=True, text=True, env=env
     ).stdout
     assert "[fp32|bf16|int8|fp4]" in help_text and "[ddp|diloco|streaming|cocodc]" in help_text
+
+
+# ---- conventions shared by every command ----
+
+
+def command_helps() -> dict[str, str]:
+    """Every command's --help, in-process (click's runner: no subprocess per command)."""
+    from click.testing import CliRunner
+
+    from p2p_cocodc.cli import cli as group
+
+    runner = CliRunner()
+    helps = {}
+    for name in group.commands:
+        result = runner.invoke(group, [name, "--help"], prog_name="p2p-cocodc")
+        assert result.exit_code == 0, result.output
+        short = runner.invoke(group, [name, "-h"], prog_name="p2p-cocodc")
+        assert short.output == result.output, name
+        helps[name] = result.output
+    return helps
+
+
+def test_every_command_states_defaults_once_and_names_types_alike() -> None:
+    helps = command_helps()
+    assert {"simulate", "join", "demo", "bootstrap", "compare", "keygen"} <= helps.keys()
+    for name, text in helps.items():
+        flat = " ".join(text.split())
+        assert "(default" not in flat and "[default: None]" not in flat, (name, flat)
+        assert flat.count("[default:") == len(re.findall(r"\[default: [^\]]+\]", flat)), name
+        for metavar in re.findall(r"--[a-z-]+ ([A-Z][A-Z_/|a-z]*)", text):
+            assert metavar not in ("STR", "INT", "PATH_OR_NAME"), (name, metavar)
+    assert "--events" in helps["simulate"] and "--events" not in helps["join"]  # the simulator's own
+    assert "--out FILE" in helps["simulate"] and "--checkpoint-dir DIR" in helps["join"]
+    assert "--workers" in helps["demo"] and "--peers " not in helps["demo"]  # one name everywhere
+    from click.testing import CliRunner
+
+    from p2p_cocodc.cli import cli as group
+
+    assert "P2P_COCODC_<COMMAND>_<OPTION>" in " ".join(CliRunner().invoke(group, ["-h"]).output.split())
+
+
+def test_options_come_from_the_environment_between_the_profile_and_the_command_line(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    profile = tmp_path / "run.toml"
+    profile.write_text("workers = 2\nseq-len = 0\n")
+    from_env = {**env, "P2P_COCODC_SIMULATE_SEQ_LEN": "-3"}
+    # the environment wins over the profile...
+    assert_one_error_line(cli(from_env, "simulate", "--config", profile), "--seq-len must be ≥ 1, got -3")
+    # ...and the command line over the environment
+    proc = cli(from_env, "simulate", "--config", profile, "--seq-len", "-5")
+    assert_one_error_line(proc, "--seq-len must be ≥ 1, got -5")
+    flags = {**env, "P2P_COCODC_SIMULATE_ALGO": "diloco", "P2P_COCODC_SIMULATE_OVERLAP": "3"}
+    assert_one_error_line(cli(flags, "simulate"), "diloco blocks on every sync")
+
+
+def test_compare_says_which_plot_path_it_cannot_write(runs: dict[str, Any], env: dict[str, str]) -> None:
+    proc = cli(env, "compare", runs["cocodc"][1], "--plot", "/proc/no/plot.png")
+    assert_one_error_line(proc, "--plot /proc/no/plot.png", "cannot write it")

@@ -162,7 +162,8 @@ def test_auto_still_checks_the_rest_of_the_settings() -> None:
         ({"step_time": "0"}, "--step-time must be > 0"),
         ({"threads": "0"}, "--threads must be ≥ 1"),
         ({"overlap": "48"}, "--overlap 48 must be in [0, --inner-steps 48)"),
-        ({"algo": "diloco"}, "use --overlap 0"),
+        ({"algo": "diloco", "overlap": "12"}, "use --overlap 0"),
+        ({"algo": "ddp", "overlap": "auto"}, "ddp averages every step's gradients"),
         ({"transmissions": "0"}, "--transmissions 0 must be between 1 and --inner-steps 48"),
         ({"transmissions": "49"}, "--transmissions 49 must be between 1"),
         ({"alpha": "1.5"}, "--alpha must be in [0, 1]"),
@@ -321,6 +322,15 @@ def test_algo_settings_resolves_auto() -> None:
         cfg.algo_settings()  # 'auto' must be resolved before the core sees it
     # explicit numbers win over the config's own values
     assert TrainConfig().algo_settings(overlap=0).overlap == 0
+
+
+@pytest.mark.parametrize(
+    ("algo", "inner_steps", "tau"),
+    [("ddp", 48, 0), ("diloco", 48, 0), ("streaming", 48, 12), ("cocodc", 8, 2)],
+)
+def test_each_algorithm_has_its_own_default_overlap(algo: str, inner_steps: int, tau: int) -> None:
+    cfg = build_config({}, {"algo": algo, "inner_steps": str(inner_steps), "fragments": "2"})
+    assert cfg.overlap is None and cfg.algo_settings().overlap == tau
 
 
 def test_inner_settings() -> None:

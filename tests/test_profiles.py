@@ -18,14 +18,17 @@ def test_region_profiles_share_training_options_and_split_the_data() -> None:
     assert len(PROFILES) >= 3
     shared = []
     shards = []
+    ports = []
     for path in PROFILES:
         cfg = asdict(build_config(load_toml(path), {}))
         shared.append({k: v for k, v in cfg.items() if k not in ("out", "save")})
         opts = swarm_options(read_toml(path)[SWARM_TABLE], {"bootstrap": "127.0.0.1:31338"})
         assert opts.shard is not None and opts.shard[1] == cfg["workers"]
         shards.append(opts.shard[0])
+        ports.append(opts.port)
     assert all(s == shared[0] for s in shared), "regions would refuse to train together"
     assert sorted(shards) == list(range(len(PROFILES)))
+    assert len(set(ports)) == len(PROFILES) and 0 not in ports, "on one machine they would share a port"
 
 
 def test_command_line_overrides_the_swarm_table() -> None:

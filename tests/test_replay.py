@@ -218,7 +218,11 @@ def test_a_group_with_a_shard_that_has_not_joined_is_refused_with_one_line(tmp_p
 @pytest.mark.parametrize(
     ("joins", "options", "message"),
     [
-        ([(0, 0), (1, 0), (2, 8)], {"algo": "ddp"}, "records peers joining a run under way, which a ddp run"),
+        (
+            [(0, 0), (1, 0), (2, 8)],
+            {"algo": "ddp", "overlap": 0},
+            "records peers joining a run under way, which a ddp run",
+        ),
         ([(2, 8)], {}, "no join records at step 0"),
         ([(0, 0), (3, 8)], {}, "a join record needs 'shard' .* below --max-peers 3"),
         ([(0, 0), (1, -1)], {}, "a join record needs .* 'step' \\(≥ 0\\)"),
