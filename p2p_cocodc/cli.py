@@ -283,13 +283,6 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
                 return
             with region.leading():
                 summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg), region=region), cfg, quiet)
-    failed, done = summary["rounds_failed"], summary["rounds_done"]
-    skipped = f"; {failed} of {failed + done} syncs failed and were skipped on every peer" if failed else ""
-    click.echo(
-        f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "
-        f"{summary['bytes_sent'] / 1e6:.2f} MB sent, stalled {summary['stall_s']:.1f} s of "
-        f"{summary['wall_time_s']:.1f} s{skipped}; θ̄ sha256 {summary['global_params_sha256'][:16]}"
-    )
     culprits = (
         ("left out of the mean as outliers", "outliers"),
         ("refused", "refused"),
@@ -299,6 +292,8 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
         if summary[tally]:
             named = ", ".join(f"{peer} ({count}×)" for peer, count in summary[tally].items())
             click.echo(f"warning: {what}: {named}", err=True)
+    if summary["failure"] is not None:
+        raise UserError(f"stopped after step {summary['steps']}: {summary['failure']}")
     if summary["theta_behind_step"] is not None:
         raise UserError(
             f"θ̄ after step {summary['theta_behind_step']} differs from the one a majority of the peers hold, "
@@ -310,6 +305,13 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
             f"{', '.join(summary['theta_disputed'])}, and no majority of the peers tells which one is the "
             "swarm's: this run did not stay synchronised"
         )
+    failed, done = summary["rounds_failed"], summary["rounds_done"]
+    skipped = f"; {failed} of {failed + done} syncs failed and were skipped on every peer" if failed else ""
+    click.echo(  # only a run that stayed with the swarm to its end gets this line
+        f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "
+        f"{summary['bytes_sent'] / 1e6:.2f} MB sent, stalled {summary['stall_s']:.1f} s of "
+        f"{summary['wall_time_s']:.1f} s{skipped}; θ̄ sha256 {summary['global_params_sha256'][:16]}"
+    )
 
 
 def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:

@@ -57,6 +57,11 @@ class Resync(Exception):
     lifetime, or a round completed without it and its average is gone): take the state again."""
 
 
+class SyncsFailing(Exception):
+    """Every sync of the last ``FAILING_STREAK`` rounds of every fragment failed: this peer is not
+    training with a swarm. It stops, and its summary says why (``failure``): never a success."""
+
+
 @dataclass(frozen=True)
 class SwarmOptions:
     """How this peer finds and joins the swarm. None of it changes what is computed, except that
@@ -898,6 +903,7 @@ class Peer:
         shard = self.setup.shard(self.shard_index, cfg.data_shards)
         started = time.perf_counter()
         train_losses: list[float] = []
+        failure = None  # why this peer stopped training with the swarm, if it did
         if self.resume is not None and self.written:  # --out as the uninterrupted run's, then on
             for record in self.written:
                 log_file.write(record)
@@ -929,6 +935,10 @@ class Peer:
             except Resync as exc:
                 await self._resync(board, stop, exc)
                 continue
+            except SyncsFailing as exc:
+                log.error("%s", exc)
+                failure = str(exc)
+                break
             if self.state_server is not None:
                 self.state_server.step_done(step)
             if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -971,6 +981,7 @@ class Peer:
             theta_disputed=dict(self.disputed),
             theta_unsettled_step=self.unsettled.step if self.unsettled is not None else None,
             theta_behind_step=self.split_from.step if self.split_from is not None else None,
+            failure=failure,
         )
         self._log(summary)
         self.run_log = None  # the summary stays the last record: joins seen after it are not written
@@ -1139,7 +1150,7 @@ class Peer:
         self.strategy.abandon(p)
         self.failed_in_a_row += 1
         if self.failed_in_a_row >= FAILING_STREAK * len(self.strategy.fragments):
-            raise UserError(
+            raise SyncsFailing(
                 f"the last {self.failed_in_a_row} syncs all failed (last: {exc}); this peer is not "
                 "training with the swarm. Check that the other peers are reachable (--announce, "
                 "firewall) and alive (the bootstrap's /status)"

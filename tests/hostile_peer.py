@@ -6,7 +6,8 @@ swarm key) with one behaviour changed. Run it as ``python -m tests.hostile_peer 
 - ``replay``: it sends, in every round of a fragment, its first outer gradient of that fragment;
 - ``flood``: at every round it reaches, it also opens 40 rounds that never end on every peer;
 - ``forge``: at every round it reaches, it hands every peer a group of that peer alone (each would
-  complete the round alone, and θ̄ would split).
+  complete the round alone, and θ̄ would split);
+- ``nan``: every outer gradient it sends is NaN (a broken region: every round it is in fails).
 
 MODES is a comma-separated list. Everything else is the landed peer, unchanged.
 """
@@ -20,7 +21,7 @@ import torch
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.messages import Group, Join
 
-MODES = ("scale", "flip", "replay", "flood", "forge")
+MODES = ("scale", "flip", "replay", "flood", "forge", "nan")
 
 
 def corrupt(modes: set[str]) -> None:
@@ -33,6 +34,8 @@ def corrupt(modes: set[str]) -> None:
                 vector = vector * 10.0
             if "flip" in modes:
                 vector = -vector
+            if "nan" in modes:
+                vector = torch.full_like(vector, float("nan"))
             if "replay" in modes:
                 vector = first.setdefault(round_id.split(":")[0], vector.clone())
             if "flood" in modes:

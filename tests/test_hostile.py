@@ -79,3 +79,36 @@ def test_honest_peers_shut_out_a_stranger_screen_bad_gradients_and_ban_a_floodin
         assert set(s["accused"]) == {replayer, flipper}, s["accused"]
         assert flooder in s["refused"], s["refused"]
         assert set(s["theta_disputed"]) <= {flooder}  # banned, it could only split off
+
+
+def test_a_peer_whose_syncs_all_fail_stops_with_an_error_and_a_summary_that_says_so(tmp_path: Path) -> None:
+    """Two peers, one of them broken (every outer gradient it sends is NaN): every sync fails on both
+    alike. Each says so while it runs, stops once the syncs of every fragment have failed
+    ``FAILING_STREAK`` times in a row, and exits non-zero with one line; its --out ends with a
+    summary whose ``failure`` says why. Never the success line."""
+    from p2p_cocodc.peer import FAILING_STREAK
+
+    boot = start_bootstrap(tmp_path)
+    options = [*TINY_MODEL, "--workers", "2", "--steps", "400", *TINY_SYNCS, "--threads", "1", "--quiet"]
+    join = ["join", "--bootstrap", boot.host_port, "--run-id", "broken", *options, "--pace", "fixed"]
+    procs = [boot.proc]
+    try:
+        procs.append(spawn([*join, "--shard", "0/2", "--out", "honest.jsonl"], tmp_path, "honest.log"))
+        broken = ["nan", *join, "--shard", "1/2", "--out", "broken.jsonl"]
+        procs.append(spawn(broken, tmp_path, "broken.log", command=HOSTILE))
+        codes = [proc.wait(timeout=300) for proc in procs[1:]]
+    finally:
+        for proc in procs:
+            end_group(proc)
+    for name, code in zip(("honest", "broken"), codes, strict=True):
+        output = (tmp_path / f"{name}.log").read_text()
+        assert code == 2, output[-3000:]
+        assert "Traceback" not in output and "final val ppl" not in output
+        assert "failed on every peer" in output  # said while running
+        error = output.strip().splitlines()[-1]
+        fragments = 2
+        assert error.startswith("error: stopped after step "), error
+        assert f"the last {FAILING_STREAK * fragments} syncs all failed" in error, error
+        summary = records(tmp_path / f"{name}.jsonl")[-1]
+        assert summary["kind"] == "summary" and summary["failure"] in error
+        assert summary["steps"] < 400 and summary["rounds_done"] == 0
