@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.logs import configure_logging
-from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
+from p2p_cocodc.swarm.dht import listen_maddrs, p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 from p2p_cocodc.swarm.trust import Membership
 
@@ -176,6 +176,9 @@ def check_options(opts: BootstrapOptions) -> None:
     for flag, port in (("--port", opts.port), ("--status-port", opts.status_port)):
         if not 0 <= port < 65536:
             raise UserError(f"{flag} must be in [0, 65535], got {port}")
+    listen_maddrs(opts.host, opts.port)
+    if opts.announce:
+        listen_maddrs(opts.announce, opts.port, "--announce")
     if not (math.isfinite(opts.refresh_s) and 0.1 <= opts.refresh_s <= 3600):
         raise UserError(f"--refresh must be in [0.1, 3600] seconds, got {opts.refresh_s}")
     if opts.port and opts.port == opts.status_port:

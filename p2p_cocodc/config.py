@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the settings classes live with torch code: imported when fi
     from p2p_cocodc.algorithms.strategies import AlgoSettings
 
 AUTO = "auto"
+MAX_SEQ_LEN = 65536  # tokens: the position table and attention of longer sequences would not fit
 BLOCKING = ("ddp", "diloco")  # algorithms that wait for every sync: no overlap
 
 
@@ -203,6 +204,8 @@ class TrainConfig:
         for name in ["warmup", "weight_decay", "grad_clip", "latency_ms", "seed"]:
             if getattr(self, name) < 0:
                 raise UserError(f"--{_dash(name)} must be ≥ 0, got {getattr(self, name)}")
+        if self.seq_len > MAX_SEQ_LEN:
+            raise UserError(f"--seq-len must be ≤ {MAX_SEQ_LEN} tokens, got {self.seq_len}")
         if self.max_peers is not None and self.max_peers < self.workers:
             raise UserError(
                 f"--max-peers {self.max_peers} must be ≥ --workers {self.workers} (the peers that start "

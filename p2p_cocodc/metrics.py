@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,6 +31,7 @@ class RunLog:
 
     def __init__(self, path: str | None) -> None:
         self._file: IO[str] | None = None
+        self._path = path
         if path is not None:
             try:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -39,13 +41,30 @@ class RunLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError as exc:  # a full disk, /dev/full: the run cannot keep its records
+                self._abandon()
+                raise UserError(f"--out {self._path}: cannot write it ({exc.strerror or exc})") from None
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            try:
+                self._file.close()
+            except OSError as exc:
+                raise UserError(f"--out {self._path}: cannot write it ({exc.strerror or exc})") from None
+            finally:
+                self._file = None
+
+    def _abandon(self) -> None:
+        """Drop the file without flushing what it could not write (its close would fail again)."""
+        assert self._file is not None
+        try:
+            os.close(self._file.fileno())
+        except OSError:
+            pass
+        self._file = None
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:

@@ -119,7 +119,15 @@ def build_model(spec: str, vocab_size: int, seq_len: int) -> nn.Module:
     plug-in ``module:factory`` called as factory(vocab_size, seq_len)."""
     if spec in PRESETS:
         n_layer, n_embd, n_head = PRESETS[spec]
-        return GPT(GPTConfig(vocab_size, seq_len, n_layer, n_embd, n_head))
+        try:
+            return GPT(GPTConfig(vocab_size, seq_len, n_layer, n_embd, n_head))
+        except (RuntimeError, MemoryError) as exc:  # torch's allocator says so in a RuntimeError
+            if "alloc" not in str(exc).lower():
+                raise
+            raise UserError(
+                f"model {spec!r} with --seq-len {seq_len} does not fit in this machine's memory: "
+                "lower --seq-len"
+            ) from None
     if spec.startswith(HF_PREFIX):
         from p2p_cocodc.hf import build_hf_model  # torch only; transformers is imported when building
 
@@ -133,7 +141,13 @@ def build_model(spec: str, vocab_size: int, seq_len: int) -> nn.Module:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as exc:
         raise UserError(f"cannot load model factory {spec!r}: {exc}") from exc
-    model = factory(vocab_size, seq_len)
+    try:
+        model = factory(vocab_size, seq_len)
+    except Exception as exc:  # noqa: BLE001 - a plug-in may fail in any way; say which and how
+        raise UserError(
+            f"model factory {spec!r} failed when called as factory(vocab_size={vocab_size}, "
+            f"seq_len={seq_len}): {type(exc).__name__}: {exc}"
+        ) from None
     check_fragment_units(model, spec)
     return model
 

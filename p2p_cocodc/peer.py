@@ -36,7 +36,7 @@ from p2p_cocodc.hf import model_identity
 from p2p_cocodc.metrics import RunLog, params_sha256
 from p2p_cocodc.region import Region
 from p2p_cocodc.swarm.agreement import Agreement, Verdict
-from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
+from p2p_cocodc.swarm.dht import listen_maddrs, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id, peers_key
 from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
@@ -92,6 +92,9 @@ class SwarmOptions:
         for name in ("wait_peers_s", "round_timeout_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"--{name.replace('_s', '').replace('_', '-')} must be > 0 seconds")
+        listen_maddrs(self.host, self.port)  # a bad address now, not after the model is built
+        if self.announce is not None:
+            listen_maddrs(self.announce, self.port, "--announce")
 
 
 SWARM_KEYS = {

@@ -297,6 +297,8 @@ BAD_INPUTS = {  # id: (arguments, what the error line must name); {name} is a fi
     "transmissions-0": (["--transmissions", "0"], ["--transmissions"]),
     "diloco-overlap": (["--algo", "diloco", "--overlap", "2"], ["--overlap"]),
     "ddp-overlap": (["--algo", "ddp", "--overlap", "2"], ["--overlap 2", "ddp"]),
+    "seq-len-huge": (["--seq-len", "100000000"], ["--seq-len", "65536"]),
+    "factory-fails": (["--model", "os:system"], ["os:system", "factory(vocab_size=", "TypeError"]),
 }
 
 
@@ -318,6 +320,7 @@ def bad_runs(env: dict[str, str], bad_files: dict[str, str]) -> dict[str, Any]:
     Path(bad_files["notjson"]).write_text("this is not json\n", encoding="utf-8")
     jobs["compare-notjson"] = ["compare", bad_files["notjson"]]
     jobs["usage"] = ["simulate", "--wokers", "2"]
+    jobs["out-full"] = [*SIMULATE, "--out", "/dev/full"]
     return in_parallel(jobs, env)
 
 
@@ -333,6 +336,16 @@ def test_bad_input_is_one_error_line(bad_runs: dict[str, Any], bad_files: dict[s
 
 def test_compare_rejects_a_file_that_is_not_json(bad_runs: dict[str, Any], bad_files: dict[str, str]) -> None:
     assert_one_error_line(bad_runs["compare-notjson"], bad_files["notjson"] + ":1", "not a JSON record")
+
+
+def test_a_full_disk_under_out_is_one_error_line_at_the_end(bad_runs: dict[str, Any]) -> None:
+    proc = bad_runs["out-full"]  # /dev/full opens, and every write fails with ENOSPC
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == "error: --out /dev/full: cannot write it (No space left on device)"
+    )
+    assert "final val ppl" not in proc.stdout
 
 
 def test_click_usage_error_has_no_traceback(bad_runs: dict[str, Any]) -> None:
@@ -465,3 +478,35 @@ def test_options_come_from_the_environment_between_the_profile_and_the_command_l
 def test_compare_says_which_plot_path_it_cannot_write(runs: dict[str, Any], env: dict[str, str]) -> None:
     proc = cli(env, "compare", runs["cocodc"][1], "--plot", "/proc/no/plot.png")
     assert_one_error_line(proc, "--plot /proc/no/plot.png", "cannot write it")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["bootstrap", "--announce", "???", "--port", "31999"],
+            "--announce '???' is not an IP address or host name",
+        ),
+        (["bootstrap", "--host", "1.2.3.456"], "--host '1.2.3.456' is not a valid IP address"),
+        (
+            ["join", "--bootstrap", "127.0.0.1:9", "--announce", "a b", "--port", "31999"],
+            "--announce 'a b' is not",
+        ),
+        (["join", "--bootstrap", "127.0.0.1:9", "--host", "::zz"], "--host '::zz' is not a valid IP address"),
+    ],
+)
+def test_a_bad_address_is_one_line_before_anything_starts(
+    env: dict[str, str], tmp_path: Path, args: list[str], message: str
+) -> None:
+    """hivemind's daemon fails on such an address in a child process and leaves its parent waiting
+    (a hang): it is refused before any DHT, model or data is set up."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "p2p_cocodc", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert_one_error_line(proc, message)
+    assert not (tmp_path / "bootstrap.id").exists()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import http.client
+import ipaddress
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -104,15 +106,23 @@ def _check_multiaddr(addr: str) -> None:
         raise UserError(f"--bootstrap {addr!r} lacks the peer id: it must end in /p2p/<peer id>")
 
 
-def listen_maddrs(host: str, port: int) -> list[str]:
-    """libp2p listen multiaddrs for a host given as IPv4, IPv6 or a name."""
+HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9-]{1,63})*\.?")
+
+
+def listen_maddrs(host: str, port: int, flag: str = "--host") -> list[str]:
+    """libp2p listen multiaddrs for a host given as IPv4, IPv6 or a name; anything else is refused
+    here (hivemind's daemon would fail on it in a child process and leave the parent waiting)."""
     if not 0 <= port < 65536:
         raise UserError(f"--port must be in [0, 65535], got {port}")
-    if ":" in host:
-        return [f"/ip6/{host}/tcp/{port}"]
-    if host.replace(".", "").isdigit():
-        return [f"/ip4/{host}/tcp/{port}"]
-    return [f"/dns/{host}/tcp/{port}"]
+    kind = "dns"
+    if ":" in host or host.replace(".", "").isdigit():
+        try:
+            kind = "ip6" if ipaddress.ip_address(host).version == 6 else "ip4"
+        except ValueError:
+            raise UserError(f"{flag} {host!r} is not a valid IP address") from None
+    elif not HOST_NAME.fullmatch(host):
+        raise UserError(f"{flag} {host!r} is not an IP address or host name")
+    return [f"/{kind}/{host}/tcp/{port}"]
 
 
 def start_dht(
@@ -139,7 +149,7 @@ def start_dht(
     if announce:
         if not port:
             raise UserError("--announce needs a fixed --port: the announced address must be dialable")
-        kwargs["announce_maddrs"] = listen_maddrs(announce, port)
+        kwargs["announce_maddrs"] = listen_maddrs(announce, port, "--announce")
     fresh = EphemeralIdentity() if identity_path is None else None
     key_path = fresh.path if fresh is not None else identity_path
     assert key_path is not None
