@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
-import json
 import logging
 import math
 import signal
@@ -39,6 +38,7 @@ from p2p_cocodc.swarm.agreement import Agreement, Verdict
 from p2p_cocodc.swarm.dht import listen_maddrs, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id, peers_key
+from p2p_cocodc.swarm.run_options import differences, fingerprint, option_view
 from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
 from p2p_cocodc.swarm.trust import Membership, check_identity
 from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, summary_record
@@ -147,12 +147,12 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
-def fingerprint(setup: TrainingSetup, settings: AlgoSettings) -> str:
+def shared_options(setup: TrainingSetup, settings: AlgoSettings) -> dict[str, Any]:
     """What every peer of a run must share: algorithm, optimizers, model, data, codec, how slices are
-    screened and combined, M."""
+    screened and combined, M. Its fingerprint is what peers compare."""
     cfg = setup.cfg
     digest = hashlib.sha256(setup.tokens.train.numpy().tobytes()).hexdigest()[:16]
-    shared = {
+    return {
         "algo": asdict(settings),
         "inner": asdict(setup.inner),
         "model": model_identity(cfg.model, setup.base),  # an hf: model by content, not by path
@@ -166,7 +166,6 @@ def fingerprint(setup: TrainingSetup, settings: AlgoSettings) -> str:
         "workers": cfg.workers,
         "data_shards": cfg.data_shards,
     }
-    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def fragment_round(p: int, step: int) -> str:
@@ -199,7 +198,9 @@ class Peer:
         self.setup = TrainingSetup(cfg, region.placement if region is not None else None)
         step_time = self.setup.step_time() if self.setup.needs_step_time() else cfg.step_time
         self.settings = self.setup.settings(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6, step_time)
-        self.fingerprint = fingerprint(self.setup, self.settings)
+        shared = shared_options(self.setup, self.settings)
+        self.fingerprint = fingerprint(shared)
+        self.options = option_view(shared)  # published, so a mismatched peer can say what differs
         self.trainer, self.strategy = self.setup.replica(self.settings)
         if region is not None:
             region.wrap(self.trainer)
@@ -283,7 +284,7 @@ class Peer:
             board = Board(dht, self.opts.run_id, self.peer_id, ttl_s=8 * self.opts.heartbeat_s)
             await self._first_refresh(board)
             self.heartbeat = asyncio.create_task(self._heartbeat(board))
-            under_way = await self._wait_for_peers(stop)
+            under_way = await self._wait_for_peers(stop, board)
             self.exchange = FragmentExchange(
                 p2p,
                 self.opts.run_id,
@@ -445,7 +446,12 @@ class Peer:
         DHT read under load can miss a live record, and a leader must not form a round without a
         peer that is still there."""
         if publish:
-            run_info = {"algo": self.cfg.algo, "model": self.cfg.model, "workers": self.cfg.workers}
+            run_info = {
+                "algo": self.cfg.algo,
+                "model": self.cfg.model,
+                "workers": self.cfg.workers,
+                "options": self.options,
+            }
             await board.publish(self._record(), run_info)
         if not read:
             return
@@ -567,7 +573,7 @@ class Peer:
             if task is not None and task.done() and not task.cancelled():
                 task.result()
 
-    async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
+    async def _wait_for_peers(self, stop: asyncio.Event, board: Board) -> bool:
         """Block until this peer can train, and settle its data shard: True when the run is under
         way (it joins it), False once --workers peers of this run are live (it starts with them).
 
@@ -578,7 +584,7 @@ class Peer:
         first_step: dict[str, int] = {}  # peer -> the step its record showed when first read here
         while True:
             same = {p: r for p, r in self.view.items() if self._same_run(r)}
-            self._check_not_odd_one_out(same)
+            await self._check_not_odd_one_out(same, board)
             # our own record may be a stale one of this identity's previous process: not a peer;
             # a peer that resumed from its checkpoint of step C waits at C for the others to resume
             training = {p: r for p, r in same.items() if r.state == "training" and p != self.peer_id}
@@ -618,7 +624,7 @@ class Peer:
             self._check_wait(stop, deadline, f"only {len(live)} of --workers {self.cfg.workers} peers joined")
             await asyncio.sleep(0.2)
 
-    def _check_not_odd_one_out(self, same: dict[str, PeerRecord]) -> None:
+    async def _check_not_odd_one_out(self, same: dict[str, PeerRecord], board: Board) -> None:
         """Stop with one line when every other peer of this run id has another configuration or
         another swarm key; when some share ours, the others are ignored (a stranger's record must
         not stop a run, and in a keyed run the DHT does not even store it)."""
@@ -636,8 +642,10 @@ class Peer:
                 "or pick another --run-id"
             )
         peer = sorted(others)[0]
+        differ = differences(self.options, (await board.run_infos()).get(peer, {}).get("options"))
+        which = f" ({'; '.join(differ)})" if differ else ""
         raise UserError(
-            f"peer {peer[:12]} of run {run!r} uses a different configuration: start every peer with the "
+            f"peer {peer[:12]} of run {run!r} trains with other options{which}: start every peer with the "
             "same options (or profile), or pick another --run-id"
         )
 

@@ -119,11 +119,12 @@ def test_resume_in_process_is_bit_exact(tmp_path: Path, case: str) -> None:
 
 
 def test_checkpoint_options_do_not_change_the_peer_fingerprint() -> None:
-    from p2p_cocodc.peer import fingerprint
+    from p2p_cocodc.peer import shared_options
+    from p2p_cocodc.swarm.run_options import fingerprint
     from p2p_cocodc.training import TrainingSetup
 
     with_options = replace(BASE, checkpoint_dir="ck", checkpoint_every=4, resume=True, out="o", save="s")
-    prints = [fingerprint(TrainingSetup(c), c.algo_settings()) for c in (BASE, with_options)]
+    prints = [fingerprint(shared_options(TrainingSetup(c), c.algo_settings())) for c in (BASE, with_options)]
     assert prints[0] == prints[1]
     assert BASE.computing_options() == with_options.computing_options()
     assert "lr" in BASE.computing_options() and "threads" not in BASE.computing_options()

@@ -209,7 +209,8 @@ def test_a_tied_head_is_in_state_dicts_once_and_loads_back(models: dict[str, Pat
 def test_the_fingerprint_names_the_model_by_content_not_path(
     models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from p2p_cocodc.peer import fingerprint
+    from p2p_cocodc.peer import shared_options
+    from p2p_cocodc.swarm.run_options import fingerprint
     from p2p_cocodc.training import TrainingSetup
 
     copy = tmp_path / "elsewhere" / "same-model"
@@ -218,11 +219,12 @@ def test_the_fingerprint_names_the_model_by_content_not_path(
     cfg = config(models, "llama-tied")
     here, there = TrainingSetup(cfg), TrainingSetup(replace(cfg, model=f"hf:{copy}"))
     settings = cfg.algo_settings()
-    assert fingerprint(here, settings) == fingerprint(there, settings)
+    assert fingerprint(shared_options(here, settings)) == fingerprint(shared_options(there, settings))
     # other weights (built from the config with another seed): another model
     other = TrainingSetup(replace(cfg, model=f"hf:{models['llama']}"))
-    assert fingerprint(other, settings) != fingerprint(TrainingSetup(replace(other.cfg, seed=1)), settings)
-    assert fingerprint(here, settings) != fingerprint(other, settings)
+    reseeded = TrainingSetup(replace(other.cfg, seed=1))
+    assert fingerprint(shared_options(other, settings)) != fingerprint(shared_options(reseeded, settings))
+    assert fingerprint(shared_options(here, settings)) != fingerprint(shared_options(other, settings))
 
 
 def test_hf_tokens_are_cached_apart_from_bpe4096(

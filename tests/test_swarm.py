@@ -485,7 +485,9 @@ def test_peers_with_different_options_refuse_to_train_together(tmp_path: Path) -
             end_group(proc)
     logs = [(tmp_path / f"p{seed}.log").read_text() for seed in (0, 1)]
     assert codes == [2, 2], logs
-    assert all("uses a different configuration" in log and "Traceback" not in log for log in logs)
+    assert all("trains with other options" in log and "Traceback" not in log for log in logs)
+    # each names the option that differs, with both values
+    assert "--seed 1 there, 0 here" in logs[0] and "--seed 0 there, 1 here" in logs[1], logs
 
 
 def test_a_peer_whose_dht_dies_ends_with_a_clear_message(tmp_path: Path) -> None:

@@ -275,6 +275,14 @@ class Board:
                 runs[info["run"]] = {k: v for k, v in info.items() if k != "run"}
         return runs
 
+    async def run_infos(self) -> dict[str, dict[str, Any]]:
+        """{peer id: the run info it published} of this run's peers (untrusted values)."""
+        return {
+            peer: info
+            for peer, info in (await self._get(RUNS_KEY)).items()
+            if isinstance(info, dict) and info.get("run") == self.run_id
+        }
+
     async def _get(self, key: str) -> dict[str, Any]:
         future = self.dht.get(key, latest=True, return_future=True)
         found = await self._bounded(future, f"get {key}")
