@@ -5,7 +5,8 @@ thread each, keeps every run's JSON lines under ``--runs-dir`` (a finished run i
 and writes ``docs/convergence.md`` with the table, the bars of the issue, and a plot.
 
 Stages: ``tune`` (seed 0: outer lr per method, then λ0 for cocodc, judged on validation perplexity),
-``grid`` (every method, τ ∈ {0, 12, 24}, all seeds, with the tuned values), ``report``. ``bar-b``
+``grid`` (every method, τ ∈ {0, 12, 24}, all seeds, with the tuned values; cocodc also with its
+defaults, the rule ``--algo cocodc`` runs with no options), ``report``. ``bar-b``
 is a separate study of the issue's bar (b) that writes ``docs/convergence-bar-b.md``: damped cocodc
 at τ = 24, N = 2K and its neighbours, chosen on seeds 3 and 4, then reported on ``--seeds``.
 
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from p2p_cocodc.compare import crossing, load_run
+from p2p_cocodc.config import FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
 H, K = 48, 4
@@ -50,6 +52,8 @@ COMMON = {
 OUTER_LRS = {"diloco": (0.2, 0.4, 0.7), "streaming": (0.4, 0.7, 1.0), "cocodc": (0.4, 0.7, 1.0)}
 LAMBDAS = (0.2, 0.5, 1.0)
 TAUS = (0, 12, 24)
+# what `--algo cocodc` runs with no options: the rows marked "defaults"
+COCODC_DEFAULTS = {"dc-lambda": FIELDS["dc_lambda"].default, "dc-alpha": FIELDS["dc_alpha"].default}
 BAR_B_TUNING_SEEDS = [3, 4]  # disjoint from the reported seeds, so the choice is not fitted to them
 
 
@@ -75,7 +79,7 @@ def run_sim(opts: dict, runs_dir: Path) -> Path:
     if out.exists() and any('"summary"' in line for line in out.read_text().splitlines()):
         return out
     args = {**COMMON, **opts, "out": str(out)}
-    cmd = [sys.executable, "-m", "p2p_cocodc", "simulate", "--quiet"]
+    cmd = [sys.executable, "-m", "p2p_cocodc", "simulate", "--quiet", "--force"]  # over an unfinished run's
     for key, value in args.items():
         cmd += [f"--{key}", str(value)]
     started = time.perf_counter()
@@ -106,7 +110,7 @@ def tune(runs_dir: Path, jobs: int) -> dict:
     methods = {
         "diloco": {"algo": "diloco", "overlap": 0},
         "streaming": {"algo": "streaming", "overlap": 24, "alpha": 0.5},
-        "cocodc": {"algo": "cocodc", "overlap": 24, "dc-lambda": 0.5},
+        "cocodc": {"algo": "cocodc", "overlap": 24, "dc-lambda": 0.5, "dc-alpha": 0.0},  # the authors' rule
     }
     configs = [{**m, "outer-lr": lr, "seed": 0} for name, m in methods.items() for lr in OUTER_LRS[name]]
     results = dict(
@@ -138,60 +142,28 @@ def streaming_row(tuned: dict, tau: int, seeds: list[int]) -> list[dict]:
 def grid_configs(tuned: dict, seeds: list[int]) -> dict[str, list[dict]]:
     """Every row of the table: a label and its per-seed configs."""
     lr, lam = tuned["outer_lr"], tuned["dc_lambda"]
+
+    def cocodc(tau: int, knobs: dict | None = None) -> list[dict]:
+        """cocodc at overlap τ: the authors' undamped rule, tuned λ0 and outer lr, but for ``knobs``."""
+        base = {"algo": "cocodc", "overlap": tau, "dc-lambda": lam, "dc-alpha": 0.0, "outer-lr": lr["cocodc"]}
+        return [{**base, **(knobs or {}), "seed": s} for s in seeds]
+
     rows: dict[str, list[dict]] = {
         "ddp": [{"algo": "ddp", "overlap": 0, "seed": s} for s in seeds],
         "diloco τ=0": [{"algo": "diloco", "overlap": 0, "outer-lr": lr["diloco"], "seed": s} for s in seeds],
     }
     for tau in TAUS:
         rows[f"streaming τ={tau}"] = streaming_row(tuned, tau, seeds)
-        rows[f"cocodc τ={tau} N=K"] = [
-            {"algo": "cocodc", "overlap": tau, "dc-lambda": lam, "outer-lr": lr["cocodc"], "seed": s}
-            for s in seeds
-        ]
+        rows[f"cocodc τ={tau} N=K defaults"] = cocodc(tau, COCODC_DEFAULTS)
+        rows[f"cocodc τ={tau} N=K undamped"] = cocodc(tau)
     for tau in (12, 24):
-        rows[f"cocodc τ={tau} N=2K"] = [
-            {
-                "algo": "cocodc",
-                "overlap": tau,
-                "dc-lambda": lam,
-                "transmissions": 2 * K,
-                "outer-lr": lr["cocodc"],
-                "seed": s,
-            }
-            for s in seeds
-        ]
-    rows["cocodc τ=24 N=2K η=0.4"] = [  # twice the syncs: the outer lr tuned at N = K may be too large
-        {
-            "algo": "cocodc",
-            "overlap": 24,
-            "dc-lambda": lam,
-            "transmissions": 2 * K,
-            "outer-lr": 0.4,
-            "seed": s,
-        }
-        for s in seeds
-    ]
-    rows["cocodc τ=24 N=K per-step rule"] = [
-        {
-            "algo": "cocodc",
-            "overlap": 24,
-            "dc-lambda": lam,
-            "dc-rule": "step",
-            "outer-lr": lr["cocodc"],
-            "seed": s,
-        }
-        for s in seeds
-    ]
-    damped = {"algo": "cocodc", "dc-lambda": lam, "dc-alpha": 0.5, "outer-lr": lr["cocodc"]}
-    for tau, n, name in ((12, None, "N=K"), (24, None, "N=K"), (24, 2 * K, "N=2K")):
-        extra = {} if n is None else {"transmissions": n}
-        rows[f"cocodc τ={tau} {name} damped"] = [
-            {**damped, "overlap": tau, **extra, "seed": s} for s in seeds
-        ]
-    rows["cocodc τ=24 N=K λ0=0"] = [
-        {"algo": "cocodc", "overlap": 24, "dc-lambda": 0.0, "outer-lr": lr["cocodc"], "seed": s}
-        for s in seeds
-    ]
+        rows[f"cocodc τ={tau} N=2K"] = cocodc(tau, {"transmissions": 2 * K})
+    # twice the syncs: the outer lr tuned at N = K may be too large
+    rows["cocodc τ=24 N=2K η=0.4"] = cocodc(24, {"transmissions": 2 * K, "outer-lr": 0.4})
+    rows["cocodc τ=24 N=K per-step rule"] = cocodc(24, {"dc-rule": "step"})
+    for tau, knobs, name in ((12, {}, "N=K"), (24, {}, "N=K"), (24, {"transmissions": 2 * K}, "N=2K")):
+        rows[f"cocodc τ={tau} {name} damped λ0={lam}"] = cocodc(tau, {**knobs, "dc-alpha": 0.5})
+    rows["cocodc τ=24 N=K λ0=0"] = cocodc(24, {"dc-lambda": 0.0})
     return rows
 
 
@@ -333,15 +305,16 @@ def report(rows: dict[str, list[Path]], tuned: dict, seeds: list[int], command: 
             f"| {st['mb']:.1f} | {st['time']:.0f} | {st['stall']:.1f} | {ratio} |"
         )
     s24 = stats["streaming τ=24"]
+    damped = f"damped λ0={tuned['dc_lambda']}"
     bars = []
-    for label in ("cocodc τ=24 N=K", "cocodc τ=24 N=K damped"):
+    for label in ("cocodc τ=24 N=K defaults", "cocodc τ=24 N=K undamped", f"cocodc τ=24 N=K {damped}"):
         c24 = stats[label]
         met = c24["mean"] <= s24["mean"]
         bars.append(
             f"- (a) {label}: {c24['mean']:.3f} vs streaming {s24['mean']:.3f} → "
             f"**{'met' if met else 'not met'}** ({c24['mb']:.1f} vs {s24['mb']:.1f} MB per worker)."
         )
-    for label in ("cocodc τ=24 N=2K", "cocodc τ=24 N=2K η=0.4", "cocodc τ=24 N=2K damped"):
+    for label in ("cocodc τ=24 N=2K", "cocodc τ=24 N=2K η=0.4", f"cocodc τ=24 N=2K {damped}"):
         met, ratios = bar_b(stats[label], s24)
         bars.append(
             f"- (b) {label}: steps to reach streaming's final perplexity ÷ streaming's steps, per seed: "
@@ -369,6 +342,13 @@ def report(rows: dict[str, list[Path]], tuned: dict, seeds: list[int], command: 
             + ", ".join(f"{k}: {v:.3f}" for k, v in tuned["tuning"].items())
             + ".",
             "",
+            "cocodc rows: \"defaults\" is what `--algo cocodc` runs with no rule options, "
+            f"`--dc-lambda {COCODC_DEFAULTS['dc-lambda']} --dc-alpha {COCODC_DEFAULTS['dc-alpha']}` (the "
+            "damped rule chosen in [convergence-bar-b.md](convergence-bar-b.md) on seeds other than "
+            "these); the other rows use the authors' rule, undamped (`--dc-alpha 0`), with the "
+            f"tuned λ0 = {tuned['dc_lambda']} (the defaults until then), but where they say otherwise: "
+            f"\"{damped}\" is `--dc-alpha 0.5` with it.",
+            "",
             "Staleness cost = final ppl ÷ blocking diloco's final ppl − 1 (means over seeds). The last "
             "column: for each seed, the steps cocodc needs to reach streaming's final perplexity at the "
             "same τ, as a fraction of streaming's steps (interpolated between evaluations).",
@@ -378,8 +358,8 @@ def report(rows: dict[str, list[Path]], tuned: dict, seeds: list[int], command: 
             "## The bars at τ = 24",
             "",
             "(a) equal bandwidth (N = K): cocodc ends no worse than streaming (mean of seeds). (b) N = 2K: "
-            "cocodc reaches streaming's final perplexity in ≤ 0.8× streaming's steps. \"damped\" is "
-            "`--dc-alpha 0.5`: only half of the compensated jump is applied (docs/algorithms.md).",
+            "cocodc reaches streaming's final perplexity in ≤ 0.8× streaming's steps. Damped (`--dc-alpha "
+            "0.5`): only half of the compensated jump is applied (docs/algorithms.md).",
             "",
             *bars,
             "",

@@ -4,8 +4,10 @@ A peer can only enter the DHT by dialling a multiaddr that ends in a peer id. Th
 address stable across restarts (fixed ``--port``, identity file), prints the exact join commands, writes
 them to a JSON file for scripts, and serves them over HTTP, so a peer can join with just HOST:PORT
 (``parse_bootstrap`` in swarm/dht.py fetches ``/address``). The same server shows operators the swarm's
-notice board (``/status``). The HTTP thread never calls the DHT: a wedged DHT process would hang it. It
-serves bytes that the main thread's event loop refreshes, where a wedged DHT costs a timeout and a warning.
+notice board (``/status``, with each peer's health), each peer's history (``/history``) and a page
+charting both (``/``; its files are in web/). The HTTP thread never calls the DHT: a wedged DHT process
+would hang it. It serves bytes that the main thread's event loop refreshes, where a wedged DHT costs a
+timeout and a warning.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from urllib.parse import urlsplit
 
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.logs import configure_logging
+from p2p_cocodc.monitoring import serve_bootstrap_metrics
 from p2p_cocodc.swarm.dht import listen_maddrs, p2pd_socket, start_dht, stop_dht
+from p2p_cocodc.swarm.dial_back import REACH_PATH, DialBack
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 from p2p_cocodc.swarm.trust import Membership
+from p2p_cocodc.watch import History, health, page_files
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,8 @@ MAX_RUNS = 256  # run ids come from untrusted peers: bound what /status lists
 # After the DHT process dies, /health answers 503 this long; then we exit 1 and systemd starts a fresh one.
 DEAD_GRACE_S = 5.0
 WILDCARDS = ("0.0.0.0", "::", "")
+JSON = "application/json"
+PAGE_POLICY = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'"
 PEER_FIELDS = (
     "state",
     "step",
@@ -57,6 +64,11 @@ PEER_FIELDS = (
     "outliers",
     "theta_step",
     "theta_sha",
+    "region",
+    "tokens_per_s",
+    "val_ppl",
+    "bytes_received",
+    "last_round_s",
 )
 
 
@@ -74,6 +86,7 @@ class BootstrapOptions:
     refresh_s: float = 1.0
     swarm_key_file: str | None = None
     owner: str | None = None
+    metrics_port: int | None = None  # Prometheus metrics on the status host (monitoring.py); None: none
 
 
 class Snapshot:
@@ -83,6 +96,8 @@ class Snapshot:
         self.started = time.monotonic()
         self.address = _dumps({"maddrs": address["maddrs"], "peer_id": address["peer_id"]})
         self.status = _dumps({"runs": {}, "updated_at": None, "error": None})
+        self.history = _dumps(History().to_json())
+        self.page = page_files()
         self.refreshed: float | None = None  # monotonic time of the last good read of the board
         self.dht_alive = True
 
@@ -105,19 +120,31 @@ class StatusServer(ThreadingHTTPServer):
     def __init__(self, host: str, port: int) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.snapshot: Snapshot | None = None
+        self.dial_back: DialBack | None = None  # /reach/<peer id>: join --check's dial-back
         super().__init__((host, port), _Handler)
 
-    def route(self, path: str) -> tuple[int, bytes]:
+    def route(self, path: str) -> tuple[int, bytes, str]:
+        """(HTTP status, body, content type) of a GET of ``path``."""
         snap = self.snapshot
         if snap is None:
-            return 503, _dumps({"error": "starting"})
+            return 503, _dumps({"error": "starting"}), JSON
         if path == "/health":
-            return snap.health()
+            return *snap.health(), JSON
         if path == "/address":
-            return 200, snap.address
+            return 200, snap.address, JSON
         if path == "/status":
-            return 200, snap.status
-        return 404, _dumps({"error": f"no such page {path!r}; try /health, /address or /status"})
+            return 200, snap.status, JSON
+        if path.startswith(REACH_PATH) and self.dial_back is not None:
+            code, answer = self.dial_back.handle(path[len(REACH_PATH) :])
+            return code, _dumps(answer), JSON
+        if path == "/history":
+            return 200, snap.history, JSON
+        name = "status.html" if path == "/" else path[1:]
+        if name in snap.page:
+            kind, body = snap.page[name]
+            return 200, body, kind
+        pages = "/, /health, /address, /status or /history"
+        return 404, _dumps({"error": f"no such page {path!r}; try {pages}"}), JSON
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up mid-answer is not worth a traceback on stderr."""
@@ -130,11 +157,14 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "p2p-cocodc-bootstrap"
 
     def do_GET(self) -> None:  # noqa: N802 - the name http.server dispatches to
-        code, body = self.server.route(urlsplit(self.path).path.rstrip("/") or "/")
+        code, body, kind = self.server.route(urlsplit(self.path).path.rstrip("/") or "/")
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
+        # the page shows what untrusted peers wrote: it runs our script alone and talks to us alone
+        self.send_header("Content-Security-Policy", PAGE_POLICY)
+        self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
         self.wfile.write(body)
 
@@ -153,6 +183,11 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
         # The forked DHT process inherits this socket but never accepts on it, and dies with us.
         server = bind_status_server(status_host, opts.status_port)
         stack.callback(server.server_close)
+        metrics = None
+        if opts.metrics_port is not None:
+            metrics, metrics_server = serve_bootstrap_metrics(status_host, opts.metrics_port)
+            stack.callback(metrics_server.close)
+            print(f"metrics {metrics_server.url}", flush=True)
         dht = start_dht([], opts.host, opts.port, opts.announce, opts.identity, membership, protected=None)
         stack.callback(stop_dht, dht, p2pd_socket(dht))
         # Set only now: a Python handler installed before the fork would also run in the DHT process.
@@ -160,13 +195,16 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
         try:
             address = describe(dht, opts, status_host, server.server_address[1])
             server.snapshot = snapshot = Snapshot(address)
+            if metrics is not None:
+                metrics.snapshot = snapshot
+            server.dial_back = dial_back = DialBack(dht)
             threading.Thread(target=server.serve_forever, name="status-http", daemon=True).start()
             stack.callback(server.shutdown)
             write_address_file(opts.address_file, address)
             announce_join(address, opts, membership)
             import uvloop
 
-            return uvloop.run(watch(dht, address["peer_id"], snapshot, opts.refresh_s))
+            return uvloop.run(watch(dht, address["peer_id"], snapshot, opts.refresh_s, dial_back))
         except KeyboardInterrupt:
             return 0
 
@@ -183,6 +221,9 @@ def check_options(opts: BootstrapOptions) -> None:
         raise UserError(f"--refresh must be in [0.1, 3600] seconds, got {opts.refresh_s}")
     if opts.port and opts.port == opts.status_port:
         raise UserError(f"--port and --status-port are both {opts.port}: they must differ")
+    for flag, port in (("--port", opts.port), ("--status-port", opts.status_port)):
+        if port and port == opts.metrics_port:
+            raise UserError(f"{flag} and --metrics-port are both {port}: they must differ")
     _check_writable_file("--identity", opts.identity)
     _check_writable_file("--address-file", opts.address_file)
 
@@ -304,15 +345,21 @@ def announce_join(address: dict[str, Any], opts: BootstrapOptions, membership: M
         )
 
 
-async def watch(dht: Any, peer_id: str, snapshot: Snapshot, refresh_s: float) -> int:
-    """Refresh the status snapshot every ``refresh_s`` until a signal (0) or the DHT's death (1)."""
+async def watch(
+    dht: Any, peer_id: str, snapshot: Snapshot, refresh_s: float, dial_back: DialBack | None = None
+) -> int:
+    """Refresh the status snapshot every ``refresh_s`` until a signal (0) or the DHT's death (1); run
+    ``dial_back``'s dials on this loop, the one thread that calls the DHT."""
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
+    if dial_back is not None:
+        dial_back.attach(loop)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     dead_since: float | None = None
     failing = False
+    history = History()
     try:
         while True:
             snapshot.dht_alive = dht.is_alive()
@@ -323,16 +370,17 @@ async def watch(dht: Any, peer_id: str, snapshot: Snapshot, refresh_s: float) ->
                 elif time.monotonic() - dead_since > DEAD_GRACE_S:
                     return 1
             else:
-                failing = await refresh(dht, peer_id, snapshot, failing)
+                failing = await refresh(dht, peer_id, snapshot, history, failing)
             await asyncio.sleep(refresh_s)
     except asyncio.CancelledError:
         return 0
 
 
-async def refresh(dht: Any, peer_id: str, snapshot: Snapshot, failing: bool) -> bool:
-    """Read the board into the snapshot; on a timeout keep the last one. Returns whether the read failed."""
+async def refresh(dht: Any, peer_id: str, snapshot: Snapshot, history: History, failing: bool) -> bool:
+    """Read the board into the snapshot and the history; on a timeout keep the last ones. Returns
+    whether the read failed."""
     try:
-        runs = await read_board(dht, peer_id)
+        board = await read_board(dht, peer_id)
     except ConnectionError as exc:
         if not failing:
             log.warning("cannot read the swarm's board (%s); serving the last snapshot", exc)
@@ -341,21 +389,34 @@ async def refresh(dht: Any, peer_id: str, snapshot: Snapshot, failing: bool) -> 
         return True
     if failing:
         log.info("reading the swarm's board again")
+    from hivemind.utils import get_dht_time  # the clock records are written by
+
+    now = get_dht_time()
+    runs = {}
+    for run_id, (info, found) in board.items():
+        records = {p: record for p, (record, _) in found.items()}
+        ages = {p: max(0.0, now - written) for p, (_, written) in found.items()}
+        words = health(records, ages)
+        views = {
+            p: {**_peer_view(r), "age_s": round(ages[p], 1), "health": words[p]} for p, r in records.items()
+        }
+        runs[run_id] = {"info": _jsonable(info), "peers": views}
+        for p, record in records.items():
+            history.add(run_id, p, record, now)
     snapshot.status = _dumps({"runs": runs, "updated_at": time.time(), "error": None})
+    snapshot.history = _dumps(history.to_json())
     snapshot.refreshed = time.monotonic()
     return False
 
 
-async def read_board(dht: Any, peer_id: str) -> dict[str, Any]:
-    """{run_id: {"info", "peers"}} of every live run; raises ConnectionError when the DHT times out."""
+async def read_board(dht: Any, peer_id: str) -> dict[str, tuple[Any, dict[str, tuple[PeerRecord, float]]]]:
+    """{run_id: (its info, {peer: (record, when written)})} of every live run; raises ConnectionError
+    when the DHT times out."""
     infos = await Board(dht, "bootstrap", peer_id, BOARD_TTL_S).runs()
     run_ids = sorted(r for r in infos if _valid_run_id(r))[:MAX_RUNS]
     boards = [Board(dht, r, peer_id, BOARD_TTL_S) for r in run_ids]
-    peers = await asyncio.gather(*(b.peers() for b in boards))
-    return {
-        run_id: {"info": _jsonable(infos[run_id]), "peers": {p: _peer_view(rec) for p, rec in found.items()}}
-        for run_id, found in zip(run_ids, peers, strict=True)
-    }
+    peers = await asyncio.gather(*(b.peers_written() for b in boards))
+    return {run_id: (infos[run_id], found) for run_id, found in zip(run_ids, peers, strict=True)}
 
 
 def _valid_run_id(run_id: str) -> bool:

@@ -1,5 +1,5 @@
-"""Files a run leaves behind, all written atomically: the final θ̄ (``--save``, safetensors any
-PyTorch user can load) and checkpoints (``--checkpoint-dir``) a run resumes from bit-exactly.
+"""Checkpoints (``--checkpoint-dir``), written atomically, that a run resumes from bit-exactly (the
+final θ̄ of ``--save`` is p2p_cocodc.saved_model's).
 
 A checkpoint of step t is two files in the checkpoint folder:
 
@@ -77,16 +77,6 @@ def _fsync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def save_global(state: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    """Write θ̄ (tied tensors stored once per name, as safetensors requires separate memory)."""
-    tensors = {name: t.detach().to(torch.float32).contiguous().clone() for name, t in state.items()}
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(Path(path), save_tensors(tensors, metadata=metadata))
-    except OSError as exc:
-        raise UserError(f"--save {path}: cannot write it ({exc.strerror})") from None
 
 
 # ---- state <-> files ----

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import tempfile
@@ -9,13 +10,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from p2p_cocodc.config import FIELDS, TrainConfig, build_config, load_toml
 from p2p_cocodc.errors import Stopped, UserError
-from p2p_cocodc.names import HF_PREFIX
+
+if TYPE_CHECKING:  # imported where used: --help must not pay for hivemind and torch
+    from p2p_cocodc.monitoring import PeerMetrics
+    from p2p_cocodc.peer import SwarmOptions
 
 
 class Option(click.Option):
@@ -65,7 +69,7 @@ METAVARS = {"int": "INTEGER", "float": "FLOAT", "str": "TEXT"}
 
 def _metavar(f: Any) -> str:
     if f.metadata["choices"]:
-        return "[" + "|".join(f.metadata["choices"]) + "]"
+        return "[" + "|".join(f.metadata["choices"]) + "]" + (",..." if f.metadata["many"] else "")
     if f.metadata["path"]:
         return f.metadata["path"]
     kind = METAVARS[str(f.type).split(" |")[0]]
@@ -78,27 +82,34 @@ def _config_from(config_path: str | None, options: dict[str, Any]) -> Any:
 
 
 def check_output_paths(cfg: TrainConfig) -> None:
-    """Fail now, before any set-up, if --out, --save or --checkpoint-dir cannot be written: a bad
-    path must not cost a whole run. Missing parent folders are created, as the run would."""
-    for option, path in (("--out", cfg.out), ("--save", cfg.save)):
-        if path is not None:
-            file = Path(path)
-            if option == "--save" and cfg.model.startswith(HF_PREFIX):  # saved as a folder
-                from p2p_cocodc.hf import check_save_folder
+    """Fail now, before any set-up, if --out, --save or --checkpoint-dir cannot be written, or if
+    --out or --save would replace what an earlier run left there (unless --force; --resume rewrites
+    its own --out): a bad path must not cost a whole run, nor a run the results of another. Missing
+    parent folders are created, as the run would."""
+    if cfg.out is not None:
+        file = Path(cfg.out)
+        if file.is_dir():
+            raise UserError(f"--out {cfg.out} is a folder: give a file name")
+        _check_folder(f"--out {cfg.out}", file.parent)
+        if file.is_file() and not (cfg.force or cfg.resume):  # a device or pipe holds nothing to lose
+            raise UserError(f"--out {cfg.out} already exists; give a new file name, or --force to replace it")
+        if file.exists():
+            try:
+                open(file, "ab").close()  # opened for appending: not changed
+            except OSError as exc:
+                raise UserError(f"--out {cfg.out}: cannot write it ({exc.strerror})") from None
+    if cfg.save is not None:
+        from p2p_cocodc.saved_model import check_save_target
 
-                check_save_folder(path)
-                _check_folder(f"{option} {path}", file.parent)
-                continue
-            if file.is_dir():
-                raise UserError(f"{option} {path} is a folder: give a file name")
-            _check_folder(f"{option} {path}", file.parent)
-            if file.exists():
-                try:
-                    open(file, "ab").close()  # opened for appending: not changed
-                except OSError as exc:
-                    raise UserError(f"{option} {path}: cannot write it ({exc.strerror})") from None
+        check_save_target(cfg.save, cfg.force)
+        _check_folder(f"--save {cfg.save}", Path(cfg.save).parent)
     if cfg.checkpoint_dir is not None:
         _check_folder(f"--checkpoint-dir {cfg.checkpoint_dir}", Path(cfg.checkpoint_dir))
+    if cfg.log_to is not None:
+        from p2p_cocodc.sinks import check_sinks, log_dir
+
+        _check_folder(f"--log-dir {log_dir(cfg)}", log_dir(cfg))
+        check_sinks(cfg)
 
 
 def _check_folder(what: str, folder: Path) -> None:
@@ -152,7 +163,7 @@ def cli() -> None:
 
 @cli.command()
 @training_options
-@option("--quiet", is_flag=True, help="no progress bar")
+@option("--quiet", is_flag=True, help="no progress (a bar, or lines when stderr is no terminal)")
 def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     """Simulate M workers over a modelled WAN in one process (virtual clock).
 
@@ -163,8 +174,9 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
 
     from p2p_cocodc.checkpoint import CheckpointWriter, find_resume_point
     from p2p_cocodc.metrics import RunLog
-    from p2p_cocodc.progress import ProgressBar
+    from p2p_cocodc.progress import progress_bars
     from p2p_cocodc.sim import Simulation
+    from p2p_cocodc.sinks import open_sinks
 
     checkpoint = find_resume_point(cfg)
     sim = Simulation(cfg) if checkpoint is None else Simulation.resumed(cfg, checkpoint)
@@ -179,14 +191,16 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     if cfg.checkpoint_dir is not None:
         data = sim.setup.data_sha256()
         writer = CheckpointWriter(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.computing_options(), data)
-    log = RunLog(cfg.out)
+    log = RunLog(cfg.out, open_sinks(cfg, cfg.algo))
     try:
-        with ProgressBar(cfg.steps, disable=quiet) as bar:
+        tokens_per_step = cfg.workers * cfg.batch_size * cfg.seq_len
+        with progress_bars([cfg.algo], cfg.steps, tokens_per_step, quiet) as (progress,):
+            progress.training(sim.step)
             if writer is None:
-                summary = sim.run(log, progress=bar.update)
+                summary = sim.run(log, progress=progress.step)
             else:
                 with stop_on_signals() as stop:
-                    summary = sim.run(log, progress=bar.update, checkpoints=writer, stop=stop)
+                    summary = sim.run(log, progress=progress.step, checkpoints=writer, stop=stop)
     finally:
         log.close()
     click.echo(
@@ -198,7 +212,12 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
 
 @cli.command()
 @training_options(peer=True)
-@option("--bootstrap", default=None, help="bootstrap multiaddr, or the HOST:PORT it printed")
+@option(
+    "--bootstrap",
+    default=None,
+    metavar="HOST:PORT|MULTIADDR",
+    help="the bootstrap's HOST:PORT as it printed it (HOST alone: port 31338), or its multiaddr",
+)
 @option("--run-id", default=None, help="runs sharing one DHT stay apart", show_default="default")
 @option("--host", default=None, metavar="HOST", help="address this peer listens on", show_default="127.0.0.1")
 @option("--port", type=int, default=None, help="libp2p port", show_default="0, any free one")
@@ -248,9 +267,29 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     "(every peer takes the pace a round agreed); fixed: never ask",
     show_default="link",
 )
-@option("--quiet", is_flag=True, help="no progress bar")
+@option(
+    "--region",
+    default=None,
+    metavar="NAME",
+    help="this peer's name in progress bars, status and metrics",
+    show_default="the --config profile's file name, else the peer id",
+)
+@option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (docs/monitoring.md)",
+    show_default="none",
+)
+@option(
+    "--check",
+    is_flag=True,
+    help="only check that this peer can join, and exit: files, ports, p2pd, the bootstrap, and "
+    "that other peers can reach this one (the bootstrap dials it back); exit code 2 names what to fix",
+)
+@option("--quiet", is_flag=True, help="no progress (a bar, or lines when stderr is no terminal)")
 @option("--verbose", "-v", is_flag=True, help="log every round's group, leader and recovery")
-def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) -> None:
+def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **options: Any) -> None:
     """Join a swarm as one peer (one region) and train with the others.
 
     Every training option of `simulate` applies; a --config profile may also hold these join
@@ -267,22 +306,34 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
         raise UserError("join: --events replays a swarm run in the simulator: use it with simulate")
     check_output_paths(cfg)
 
+    # hivemind: imported once the options are known good
     from p2p_cocodc.checkpoint import find_resume_point
-    from p2p_cocodc.peer import Peer, swarm_options  # hivemind: imported once the options are known good
+    from p2p_cocodc.peer import REGION_CHARS, Peer, swarm_options
     from p2p_cocodc.region import Region, follow_region
 
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
+    stem = Path(config_path).stem if config_path is not None else ""
+    if "region" not in swarm_file and 0 < len(stem) <= 32 and set(stem) <= REGION_CHARS:
+        swarm_file = {**swarm_file, "region": stem}  # peers/us-east.toml: us-east
     opts = swarm_options(swarm_file, swarm_cli)
+    if check:
+        sys.exit(preflight(cfg, opts))
+    from p2p_cocodc.swarm.dht import check_listen_address
+
+    check_listen_address(opts.host, opts.port)  # a taken --port now, not after the model's set-up
     region = Region.from_env()  # under torchrun: this region's replica is trained by several processes
     if region is None:
-        summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg)), cfg, quiet)
+        metrics = _peer_metrics(opts)
+        summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg), metrics=metrics), cfg, quiet)
     else:
         with region.joined(cfg, asdict(opts)):
             if not region.leads:  # rank 0 speaks for the region; the others train as it says
                 follow_region(cfg, region)
                 return
             with region.leading():
-                summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg), region=region), cfg, quiet)
+                metrics = _peer_metrics(opts)
+                peer = Peer(cfg, opts, resume=find_resume_point(cfg), region=region, metrics=metrics)
+                summary = run_peer(peer, cfg, quiet)
     culprits = (
         ("left out of the mean as outliers", "outliers"),
         ("refused", "refused"),
@@ -314,17 +365,45 @@ def join(config_path: str | None, quiet: bool, verbose: bool, **options: Any) ->
     )
 
 
+def preflight(cfg: Any, opts: Any) -> int:
+    """``join --check``: a line per check, ``ok:`` on stdout or ``error:`` on stderr; exit code 0 or 2."""
+    from p2p_cocodc.preflight import run_checks
+
+    def say(passed: bool | None, line: str) -> None:
+        prefix = {True: "ok", None: "note", False: "error"}[passed]
+        click.echo(f"{prefix}: {line}", err=passed is False)
+
+    if run_checks(cfg, opts, say):
+        click.echo("this peer can join: run the same command without --check")
+        return 0
+    return 2
+
+
+def _peer_metrics(opts: SwarmOptions) -> PeerMetrics | None:
+    """join --metrics-port: the peer's metrics, served from now on, on --host (a port in use is
+    one line before any slow set-up); None without the option."""
+    if opts.metrics_port is None:
+        return None
+    from p2p_cocodc.monitoring import serve_peer_metrics
+
+    metrics, server = serve_peer_metrics(opts.host, opts.metrics_port)
+    click.echo(f"metrics at {server.url}", err=True)
+    return metrics
+
+
 def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
-    """Run a peer on a uvloop event loop, with a progress bar unless quiet."""
+    """Run a peer on a uvloop event loop, with its progress on stderr unless quiet."""
     import uvloop
 
     from p2p_cocodc.metrics import RunLog
-    from p2p_cocodc.progress import ProgressBar
+    from p2p_cocodc.progress import progress_bars
+    from p2p_cocodc.sinks import open_sinks
 
-    log = RunLog(cfg.out)
+    opts = peer.opts  # a W&B group per run; TensorBoard and W&B runs named after the region
+    log = RunLog(cfg.out, open_sinks(cfg, f"{opts.run_id}-{opts.region or f'pid{os.getpid()}'}", opts.run_id))
     try:
-        with ProgressBar(cfg.steps, disable=quiet) as bar:
-            return uvloop.run(peer.run(log, progress=bar.update))
+        with progress_bars([peer.name], cfg.steps, cfg.batch_size * cfg.seq_len, quiet) as (progress,):
+            return uvloop.run(peer.run(log, progress=progress))
     finally:
         log.close()
 
@@ -372,6 +451,14 @@ def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
     metavar="OWNER_ID",
     help="accept records only from peers this owner certified (`p2p-cocodc keygen --owner`)",
 )
+@option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="serve Prometheus metrics of the swarm's runs at http://HOST:PORT/metrics, HOST being "
+    "--status-host (docs/monitoring.md)",
+    show_default="none",
+)
 def bootstrap(
     identity: str,
     host: str,
@@ -383,6 +470,7 @@ def bootstrap(
     refresh: float,
     swarm_key_file: str | None,
     owner: str | None,
+    metrics_port: int | None,
 ) -> None:
     """Run the swarm's bootstrap node: the DHT address peers join through, plus a status page."""
     from p2p_cocodc.bootstrap import BootstrapOptions, run_bootstrap
@@ -398,38 +486,57 @@ def bootstrap(
         refresh_s=refresh,
         swarm_key_file=swarm_key_file,
         owner=owner,
+        metrics_port=metrics_port,
     )
     code = run_bootstrap(opts)
     if code:
         sys.exit(code)
 
 
-def _demo_option(name: str, default: Any = None, **kwargs: Any) -> Callable[..., Any]:
-    """A join option the demo passes through: join's help text; default None means join's default."""
+@cli.command()
+@option(
+    "--bootstrap",
+    required=True,
+    metavar="HOST:PORT",
+    help="the bootstrap's status server: the HOST:PORT `p2p-cocodc bootstrap` printed",
+)
+@option("--run-id", default=None, help="show this run only", show_default="every run on the board")
+@option("--once", is_flag=True, help="print the table once as plain text (as when output is not a terminal)")
+@option("--refresh", type=float, default=2.0, show_default=True, help="seconds between reads of /status")
+def status(bootstrap: str, run_id: str | None, once: bool, refresh: float) -> None:
+    """A live table of a run's peers, from the bootstrap's notice board: region, state, step,
+    tokens/s, perplexity, fragment versions, last round, bytes in and out, stall and health. The
+    same, with charts, is the bootstrap's page http://HOST:PORT/."""
+    from p2p_cocodc.status_view import watch_status
+
+    watch_status(bootstrap, run_id, once, refresh)
+
+
+def _demo_option(name: str, **kwargs: Any) -> Callable[..., Any]:
+    """A join option the demo passes through, with join's help text and default (the one schema's)."""
     f = FIELDS[name]
-    shown = default if default is not None else f.metadata["shown"]
     if f.metadata["choices"]:
         kwargs["type"] = click.Choice(f.metadata["choices"])
     return option(
         "--" + name.replace("_", "-"),
         name,
-        default=default,
+        default=None,
         metavar=_metavar(f),
         help=f.metadata["help"],
-        show_default=str(shown),
+        show_default=f.metadata["shown"],
         **kwargs,
     )
 
 
 @cli.command()
 @option("--workers", "peers", type=click.IntRange(1, 16), default=3, show_default=True, help="peers to start")
-@_demo_option("algo", "cocodc")
-@_demo_option("model", "micro")
-@_demo_option("steps", 192, type=int)
-@_demo_option("inner_steps", 48, type=int)
-@_demo_option("fragments", 4, type=int)
+@_demo_option("algo")
+@_demo_option("model")
+@_demo_option("steps", type=int)
+@_demo_option("inner_steps", type=int)
+@_demo_option("fragments", type=int)
 @_demo_option("overlap")
-@_demo_option("eval_every", 24, type=int)
+@_demo_option("eval_every", type=int)
 @_demo_option("eval_batches", type=int)
 @_demo_option("tokenizer")
 @_demo_option("seq_len", type=int)
@@ -443,7 +550,7 @@ def _demo_option(name: str, default: Any = None, **kwargs: Any) -> Callable[...,
     help="logs and records go here",
     show_default="a new temp dir",
 )
-@option("--quiet", is_flag=True, help="no live progress bars")
+@option("--quiet", is_flag=True, help="no progress (bars, or lines when stderr is no terminal)")
 def demo(peers: int, workdir: str | None, quiet: bool, **training: Any) -> None:
     """A whole swarm on this machine: a bootstrap and --workers peers on 127.0.0.1, live, then results."""
     from p2p_cocodc.demo import run_demo
@@ -509,6 +616,122 @@ def compare(runs: tuple[str, ...], target_ppl: float | None, plot_path: str | No
     from p2p_cocodc.compare import compare_runs
 
     click.echo(compare_runs(list(runs), target_ppl, plot_path))
+
+
+MODEL_DEVICE = "where the model runs: auto (the first CUDA device if any, else the CPU), cpu, cuda:N, mps"
+
+
+@cli.command()
+@click.argument("model", metavar="MODEL", type=click.Path())
+@option("--prompt", required=True, help="the text for the model to continue")
+@option("--max-new-tokens", type=click.IntRange(1), default=100, show_default=True, help="tokens to add")
+@option(
+    "--temperature",
+    type=click.FloatRange(0),
+    default=0.8,
+    show_default=True,
+    help="sampling temperature; 0: greedy, always the likeliest token",
+)
+@option("--top-k", type=click.IntRange(0), default=50, show_default=True, help="draw among the top K; 0: all")
+@option(
+    "--seed",
+    type=click.IntRange(0),
+    default=None,
+    help="seed of the sampling: one seed, one text",
+    show_default="a new one each time",
+)
+@option("--device", default="auto", show_default=True, help=MODEL_DEVICE)
+def generate(
+    model: str,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int | None,
+    device: str,
+) -> None:
+    """Continue --prompt with MODEL, a folder `--save` wrote; print the prompt and its continuation."""
+    import torch
+
+    from p2p_cocodc.devices import resolve_device
+    from p2p_cocodc.inference import generate as continue_text
+    from p2p_cocodc.saved_model import load_saved
+
+    where = resolve_device(device)
+    lm, tokenizer, info = load_saved(model)
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    text = continue_text(
+        lm.to(where),
+        tokenizer,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        generator=generator,
+        context=info["seq_len"],
+        device=where,
+    )
+    click.echo(text)
+
+
+@cli.command("eval")
+@click.argument("model", metavar="MODEL", type=click.Path())
+@option(
+    "--data",
+    type=click.Path(),
+    metavar="PATH",
+    default=None,
+    help="UTF-8 text file or folder of .txt files; its validation split is scored, split as a run splits it",
+    show_default="the data MODEL was trained on",
+)
+@option(
+    "--batches",
+    type=click.IntRange(1),
+    default=None,
+    help="batches to score",
+    show_default="the run's --eval-batches",
+)
+@option(
+    "--seq-len",
+    type=click.IntRange(1),
+    default=None,
+    help="tokens per sequence, at most the run's",
+    show_default="the run's --seq-len",
+)
+@option("--device", default="auto", show_default=True, help=MODEL_DEVICE)
+def eval_model(model: str, data: str | None, batches: int | None, seq_len: int | None, device: str) -> None:
+    """Score MODEL, a folder `--save` wrote: its loss and perplexity on the validation split of
+    --data, in the run's batches (on the run's own data: the run's final perplexity)."""
+    from p2p_cocodc.devices import Placement, resolve_device
+    from p2p_cocodc.inference import evaluate_text
+    from p2p_cocodc.metrics import perplexity
+    from p2p_cocodc.saved_model import load_saved
+
+    placement_device = resolve_device(device)
+    lm, tokenizer, info = load_saved(model)
+    run = info["run"]
+    options = {name: f.default for name, f in FIELDS.items()} | run.get("options", {})
+    if seq_len is not None and seq_len > info["seq_len"]:
+        raise UserError(f"--seq-len {seq_len}: {model} was trained on sequences of {info['seq_len']} tokens")
+    if data is None and run.get("data") is not None and not Path(run["data"]).exists():
+        raise UserError(f"{model} was trained on {run['data']}, which is not there any more: give --data")
+    data = data if data is not None else run.get("data")
+    seq_len = seq_len or info["seq_len"]
+    batches = batches or options["eval_batches"]
+    placement = Placement(placement_device, options["precision"])
+    batch_size = options["batch_size"]
+    loss, tokens = evaluate_text(
+        lm, tokenizer, data, seq_len=seq_len, batch_size=batch_size, batches=batches, placement=placement
+    )
+    where = "the embedded corpus" if data is None else data
+    click.echo(
+        f"val loss {loss:.6f}, perplexity {perplexity(loss):.4f} on {tokens} tokens of the validation split "
+        f"of {where}"
+    )
 
 
 def main() -> None:

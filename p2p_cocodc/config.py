@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.names import AGGREGATES, ALGORITHMS, CODEC_NAMES, DC_RULES, PRECISIONS, TOKENIZERS
+from p2p_cocodc.names import AGGREGATES, ALGORITHMS, CODEC_NAMES, DC_RULES, LOG_SINKS, PRECISIONS, TOKENIZERS
 
 if TYPE_CHECKING:  # the settings classes live with torch code: imported when first built, not for --help
     from p2p_cocodc.algorithms.aggregation import Aggregation
@@ -34,12 +34,13 @@ def _opt(
     computes: bool = True,
     shown: str | None = None,
     path: str | None = None,
+    many: bool = False,
 ) -> Any:
     """A field with its help text, allowed string values, whether it accepts 'auto', and whether it
     changes what a run computes or records (``computes``: False for output paths, checkpoint
     settings and thread count, which a resumed run may change). ``shown``: the default as --help
     states it, where the value itself (None) says nothing; ``path``: FILE, DIR or PATH for an
-    option that names one."""
+    option that names one; ``many``: a comma-separated list of ``choices``."""
     metadata = {
         "help": help,
         "choices": choices,
@@ -47,6 +48,7 @@ def _opt(
         "computes": computes,
         "shown": str(default) if shown is None else shown,
         "path": path,
+        "many": many,
     }
     return field(default=default, metadata=metadata)
 
@@ -61,7 +63,9 @@ class TrainConfig:
         "P: at most this many peers take part, joiners included; the train data is cut into P shards",
         shown="--workers",
     )
-    steps: int = _opt(480, "inner steps T per replica")
+    # model, steps and evaluation default to a quick run (simulate: about 2 minutes on 2 cores); the long
+    # study is profiles/study.toml, a swarm's real run its peers/*.toml profile
+    steps: int = _opt(192, "inner steps T per replica")
     inner_steps: int = _opt(48, "H: inner steps between two syncs of the same fragment")
     fragments: int = _opt(4, "K: number of fragments (units: embedding, each block, final norm)")
     pattern: str = _opt("strided", "how units map to fragments", ("strided", "sequential"))
@@ -73,14 +77,16 @@ class TrainConfig:
         shown="H/4 for streaming and cocodc (12 at H = 48), 0 for diloco and ddp",
     )
     alpha: float = _opt(0.5, "streaming merge: θ ← α·θ(now) + (1−α)·new global")
-    dc_lambda: float = _opt(0.5, "λ0 of CoCoDC's Taylor delay compensation (0 = re-apply local progress)")
+    dc_lambda: float = _opt(1.0, "λ0 of CoCoDC's Taylor delay compensation (0 = re-apply local progress)")
     dc_rule: str = _opt(
         "tensor", "compensation rule: per-tensor adaptive λ, or per-step with λ cap", DC_RULES
     )
     dc_lambda_max: float = _opt(10.0, "λ cap of the per-step rule")
     dc_wd_debias: bool = _opt(False, "per-step rule: take decoupled weight decay out of the local progress")
+    # the damped rule with λ0 1 (docs/convergence-bar-b.md: chosen on seeds 3-4, judged on 0-2); the
+    # authors' rule is --dc-alpha 0 --dc-lambda 0.5
     dc_alpha: float = _opt(
-        0.0,
+        0.5,
         "cocodc: apply only (1 − α) of the compensated jump, θ ← α·θ(now) + (1−α)·DC (τ = 0: streaming α)",
     )
     transmissions: int | str | None = _opt(
@@ -114,7 +120,7 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "inner gradient-norm clip (0 = off)")
     # model and data
     model: str = _opt(
-        "tiny",
+        "micro",
         "model preset (nano, micro, tiny, small, base), hf:PATH (a local Hugging Face causal LM and its "
         "tokenizer; needs pip install -e '.[hf]') or module:factory",
     )
@@ -134,15 +140,34 @@ class TrainConfig:
         None, "seconds per inner step (the simulator's clock; a peer's 'auto' τ and N)", shown="measured"
     )
     # evaluation and output
-    eval_every: int = _opt(48, "evaluate θ̄ every E inner steps")
+    eval_every: int = _opt(24, "evaluate θ̄ every E inner steps")
     eval_batches: int = _opt(16, "validation batches per evaluation")
     out: str | None = _opt(None, "write JSON-lines records here", computes=False, shown="none", path="FILE")
     save: str | None = _opt(
         None,
-        "write the final global parameters θ̄ here (safetensors; hf: models: a folder)",
+        "write the trained model θ̄ as a folder here: weights, config and tokenizer, for `p2p-cocodc "
+        "generate` and `eval` (hf: models: also a from_pretrained folder); a run that did not finish "
+        "writes DIR.partial-step-T",
         computes=False,
         shown="none",
-        path="PATH",
+        path="DIR",
+    )
+    force: bool = _opt(False, "replace an existing --out file or --save folder", computes=False)
+    log_to: str | None = _opt(
+        None,
+        "also log evaluations and the summary to TensorBoard and/or Weights & Biases (offline unless "
+        "WANDB_MODE or a W&B login says otherwise); a comma list for both",
+        LOG_SINKS,
+        computes=False,
+        shown="neither",
+        many=True,
+    )
+    log_dir: str | None = _opt(
+        None,
+        "with --log-to: each run logs into a folder of its own in here",
+        computes=False,
+        shown="runs",
+        path="DIR",
     )
     threads: int | None = _opt(None, "torch CPU threads", computes=False, shown="torch's choice")
     # where the replica computes (a region's own choice: peers on different hardware train together)
@@ -221,6 +246,8 @@ class TrainConfig:
             raise UserError(f"--events {self.events}: no such file (a peer's --out records)")
         if self.events is not None and self.checkpoint_dir is not None:
             raise UserError("--events and --checkpoint-dir: a replayed run cannot be checkpointed yet")
+        if self.log_dir is not None and self.log_to is None:
+            raise UserError("--log-dir needs --log-to (tensorboard, wandb or both)")
         if self.checkpoint_dir is None:
             for name, given in (("resume", self.resume), ("checkpoint_every", self.checkpoint_every)):
                 if given:
@@ -352,6 +379,8 @@ def coerce(name: str, value: Any) -> Any:
         return None
     if isinstance(value, str) and value == AUTO and f.metadata["auto"]:
         return AUTO
+    if f.metadata["many"]:
+        return _choose_many(option, value, choices)
     try:
         if kind.startswith("bool"):
             if isinstance(value, bool):
@@ -376,6 +405,16 @@ def coerce(name: str, value: Any) -> Any:
     if choices and value not in choices:
         raise UserError(f"unknown {option} {value!r}: use one of {', '.join(choices)}")
     return value
+
+
+def _choose_many(option: str, value: Any, choices: tuple[str, ...]) -> str:
+    """A comma list (or a TOML list) of ``choices``, each once, as one comma-separated string."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    names = [str(item).strip() for item in items]
+    for name in names:
+        if name not in choices:
+            raise UserError(f"unknown {option} {name!r}: use {' or '.join(choices)}, or a comma list of them")
+    return ",".join(dict.fromkeys(names))
 
 
 SWARM_TABLE = "swarm"  # a region's profile may carry its join options in a [swarm] table

@@ -82,6 +82,7 @@ class BpeTokenizer:
 
     def __init__(self, json_text: str) -> None:
         self._tokenizer = HFTokenizer.from_str(json_text)
+        self.json_text = json_text  # what --save writes as the model's tokenizer.json
         # Below BPE_VOCAB only when the training text ran out of pairs to merge.
         self.vocab_size: int = self._tokenizer.get_vocab_size()
         self.fingerprint: str = hashlib.sha256(json_text.encode("utf-8")).hexdigest()

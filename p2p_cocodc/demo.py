@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-from tqdm import tqdm
 
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.progress import Progress, progress_bars
 
 HOST = "127.0.0.1"
 RUN_ID = "demo"
@@ -50,7 +50,7 @@ def run_demo(peers: int, training: dict[str, Any], workdir: str | None, quiet: b
     from p2p_cocodc.swarm.trust import keygen
 
     options = {k: v for k, v in training.items() if v is not None}
-    build_config({}, {**options, "workers": peers})  # a bad value fails now, not in N peer logs
+    cfg = build_config({}, {**options, "workers": peers})  # a bad value fails now, not in N peer logs
     work = _prepare_workdir(workdir, peers)
     click.echo(f"work dir {work} (logs, peer records)", err=True)
 
@@ -69,7 +69,7 @@ def run_demo(peers: int, training: dict[str, Any], workdir: str | None, quiet: b
                 out = work / f"peer{i}.jsonl"
                 args = ["join", *join_args, "--shard", f"{i}/{peers}", "--out", str(out)]
                 swarm.append(procs.spawn(f"peer {i}", args, work / f"peer{i}.log", out))
-            _watch(procs, swarm, boot, status_port, int(options["steps"]), quiet)
+            _watch(procs, swarm, boot, status_port, cfg.steps, cfg.batch_size * cfg.seq_len, quiet)
         finally:
             procs.stop_all()
     return results_table(swarm)
@@ -304,18 +304,20 @@ def _wait_for_address(boot: Child, address: Path) -> None:
 
 
 def _watch(
-    procs: Processes, peers: list[Child], boot: Child, status_port: int, steps: int, quiet: bool
+    procs: Processes,
+    peers: list[Child],
+    boot: Child,
+    status_port: int,
+    steps: int,
+    tokens_per_step: int,
+    quiet: bool,
 ) -> None:
-    """Poll until every peer has exited 0. The bars take steps and state from the bootstrap's /status
-    page (a peer publishes every second) and perplexity from the peers' eval records, which also carry
-    the step should /status lag. Any failure raises, and the caller stops everything."""
-    bars = [
-        tqdm(total=steps, desc=p.name, unit="step", position=i, leave=True, disable=quiet, dynamic_ncols=True)
-        for i, p in enumerate(peers)
-    ]
-    postfixes: list[dict[str, str]] = [{"state": "starting"} for _ in peers]
+    """Poll until every peer has exited 0. Each peer's progress takes its state and step from the
+    bootstrap's /status page (a peer publishes every second) and perplexity from its eval records,
+    which also carry the step should /status lag. Any failure raises, and the caller stops everything."""
+    names = [p.name for p in peers]
     last_status = 0.0
-    try:
+    with progress_bars(names, steps, tokens_per_step, quiet) as shown:
         while True:
             procs.note_strays()
             done = [p.check(expected_running=False) for p in peers]
@@ -323,24 +325,34 @@ def _watch(
             live: dict[int, dict[str, Any]] = {}
             if not quiet and time.monotonic() - last_status > STATUS_EVERY_S:
                 live, last_status = _status_by_shard(status_port), time.monotonic()
-            for i, (peer, bar, postfix) in enumerate(zip(peers, bars, postfixes, strict=True)):
-                evals = [r for r in peer.new_records() if r.get("kind") == "eval"]
-                step = max([bar.n, live.get(i, {}).get("step") or 0, *(r["step"] for r in evals)])
-                shown = dict(postfix)
-                if i in live:
-                    postfix["state"] = str(live[i].get("state"))
-                if evals:
-                    postfix["val_ppl"] = f"{evals[-1]['val_ppl']:.1f}"
-                if min(step, steps) > bar.n:
-                    bar.update(min(step, steps) - bar.n)
-                if postfix != shown:
-                    bar.set_postfix(postfix)
+            here = [names[i] for i, p in sorted(live.items()) if p.get("state") in ("waiting", "training")]
+            for i, (peer, progress) in enumerate(zip(peers, shown, strict=True)):
+                others = [name for name in here if name != peer.name]
+                _show(progress, live.get(i, {}), peer.new_records(), [peer.name, *others], len(peers))
             if all(done):
                 return
             time.sleep(POLL_S)
-    finally:
-        for bar in bars:
-            bar.close()
+
+
+def _show(
+    progress: Progress, status: dict[str, Any], records: list[dict[str, Any]], here: list[str], needed: int
+) -> None:
+    """One peer's state as /status last showed it, and its new evaluations, on its progress."""
+    state = status.get("state")
+    evals = [r for r in records if r.get("kind") == "eval"]
+    step = max([progress.clock.at, *(r["step"] for r in evals)])
+    if isinstance(status.get("step"), int):
+        step = max(step, min(status["step"], progress.total))
+    if state == "waiting":
+        progress.waiting(here, needed)
+    elif state == "joining":
+        progress.joining([])
+    elif progress.phase is not None and (state == "training" or step > 0):
+        progress.training(step)
+    for record in evals:
+        progress.step(record["step"], record)
+    if step > progress.clock.at:
+        progress.step(step, {})
 
 
 def _status_by_shard(status_port: int) -> dict[int, dict[str, Any]]:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
@@ -45,7 +43,6 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-SAVE_MARKER = "p2p-cocodc.json"  # what marks a --save folder as ours, so a later --save may replace it
 PROBE_TOKENS = 8  # length of the sequence the causality probe runs
 # config keys that name where or by what a config was read, not what the model is
 _CONFIG_NOISE = ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
@@ -381,58 +378,26 @@ def model_identity(spec: str, model: nn.Module) -> str:
     return f"hf:config-{model.config_sha256[:16]}:params-{params_sha256(model.state_dict())[:16]}"
 
 
-# ---- --save ----
+# ---- a saved model's folder (p2p_cocodc.saved_model) ----
 
 
-def check_save_folder(path: str) -> None:
-    """--save of an hf: model is a folder: new, empty, or one an earlier --save wrote (replaced)."""
-    folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"--save {path} is a file; an hf: model is saved as a folder: give a folder name")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / SAVE_MARKER).is_file():
-        raise UserError(
-            f"--save {path} is a folder with other files in it; give a new or empty folder "
-            "(a folder an earlier --save wrote is replaced)"
-        )
-
-
-def save_hf_model(
-    model: nn.Module, state: dict[str, torch.Tensor], path: str, metadata: dict[str, str]
-) -> None:
-    """Write θ̄ as a folder ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer
-    .from_pretrained`` load: weights (float32 safetensors), config and tokenizer, plus our
-    SAVE_MARKER with ``metadata``. Written beside it and renamed into place, so the folder is
-    whole or the old one."""
+def write_pretrained(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Write θ̄ into ``folder`` as ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer
+    .from_pretrained`` load it: float32 safetensors weights under the HF model's own names, its
+    config, and the tokenizer of the folder the run's model came from (p2p_cocodc.saved_model
+    adds its own config and puts the folder in place)."""
     if not isinstance(model, HFCausalLM):
-        raise TypeError(f"save_hf_model needs the run's HFCausalLM, not a {type(model).__name__}")
+        raise TypeError(f"write_pretrained needs the run's HFCausalLM, not a {type(model).__name__}")
     transformers = _transformers(f"{HF_PREFIX}{model.folder}")
-    check_save_folder(path)
-    target = Path(path)
-    # θ̄ under the HF model's own names; a tied copy is not in it, save_pretrained ties it again
+    # a tied copy is not in θ̄: save_pretrained ties it again
     hf_state = {name.removeprefix("hf."): t.detach().to("cpu", torch.float32) for name, t in state.items()}
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
-        try:
-            with _quiet(transformers):
-                model.hf.save_pretrained(staging, state_dict=hf_state)
-                tokenizer = transformers.AutoTokenizer.from_pretrained(model.folder, local_files_only=True)
-                tokenizer.save_pretrained(staging)
-            (staging / SAVE_MARKER).write_text(json.dumps(metadata, indent=1) + "\n", encoding="utf-8")
-            _swap_in(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    except OSError as exc:
-        raise UserError(f"--save {path}: cannot write it ({exc.strerror or exc})") from None
+    with _quiet(transformers):
+        model.hf.save_pretrained(folder, state_dict=hf_state)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model.folder, local_files_only=True)
+        tokenizer.save_pretrained(folder)
 
 
-def _swap_in(staging: Path, target: Path) -> None:
-    """Rename ``staging`` to ``target``; an earlier save there is moved aside first, then removed."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        target.rename(old)
-    staging.rename(target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def folder_tokenizer(spec: str) -> PretrainedTokenizer:
+    """The tokenizer in the folder of ``hf:PATH`` (a saved model's), without a run's checks."""
+    transformers = _transformers(spec)
+    return PretrainedTokenizer(_load_tokenizer(spec, _folder(spec), transformers), transformers.__version__)

@@ -6,12 +6,16 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
 from p2p_cocodc.errors import UserError
+
+if TYPE_CHECKING:
+    from p2p_cocodc.sinks import RecordSink
 
 
 def params_sha256(state: dict[str, torch.Tensor]) -> str:
@@ -27,19 +31,24 @@ def perplexity(loss: float) -> float:
 
 
 class RunLog:
-    """Appends one JSON object per line and flushes, so a killed run keeps what it measured."""
+    """Appends one JSON object per line and flushes, so a killed run keeps what it measured; hands
+    every record to ``sinks`` too (--log-to: TensorBoard, W&B; ``sinks.py``), and closes them."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, sinks: Sequence[RecordSink] = ()) -> None:
         self._file: IO[str] | None = None
         self._path = path
+        self._sinks = list(sinks)
         if path is not None:
             try:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
             except OSError as exc:
+                self.close()
                 raise UserError(f"--out {path}: cannot write it ({exc.strerror})") from None
 
     def write(self, record: dict[str, Any]) -> None:
+        for sink in self._sinks:
+            sink.write(record)
         if self._file is not None:
             try:
                 self._file.write(json.dumps(record) + "\n")
@@ -49,6 +58,9 @@ class RunLog:
                 raise UserError(f"--out {self._path}: cannot write it ({exc.strerror or exc})") from None
 
     def close(self) -> None:
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
         if self._file is not None:
             try:
                 self._file.close()

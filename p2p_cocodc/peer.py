@@ -33,11 +33,13 @@ from p2p_cocodc.devices import HostCopy, peak_memory_bytes
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.hf import model_identity
 from p2p_cocodc.metrics import RunLog, params_sha256
+from p2p_cocodc.monitoring import PeerMetrics, PeerSample
+from p2p_cocodc.progress import Phases, Progress
 from p2p_cocodc.region import Region
 from p2p_cocodc.swarm.agreement import Agreement, Verdict
 from p2p_cocodc.swarm.dht import listen_maddrs, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
-from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id, peers_key
+from p2p_cocodc.swarm.records import NONE_YET, REGION_CHARS, Board, PeerRecord, check_run_id, peers_key
 from p2p_cocodc.swarm.run_options import differences, fingerprint, option_view
 from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
 from p2p_cocodc.swarm.trust import Membership, check_identity
@@ -82,19 +84,31 @@ class SwarmOptions:
     round_timeout_s: float = 60.0
     heartbeat_s: float = 1.0
     pace: str = "link"
+    region: str | None = None  # the name operators see (bars, status, metrics); None: the peer id
+    metrics_port: int | None = None  # serve Prometheus metrics here (``monitoring.py``); None: none
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        check_region(self.region)
         if self.pace not in ("link", "fixed"):
             raise UserError(f"pace {self.pace!r}: use 'link' or 'fixed'")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise UserError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 ≤ I < N")
+        if self.port and self.port == self.metrics_port:
+            raise UserError(f"--port and --metrics-port are both {self.port}: they must differ")
         for name in ("wait_peers_s", "round_timeout_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"--{name.replace('_s', '').replace('_', '-')} must be > 0 seconds")
         listen_maddrs(self.host, self.port)  # a bad address now, not after the model is built
         if self.announce is not None:
             listen_maddrs(self.announce, self.port, "--announce")
+
+    def check_shard(self, data_shards: int) -> None:
+        if self.shard is not None and self.shard[1] != data_shards:
+            raise UserError(
+                f"--shard {self.shard[0]}/{self.shard[1]}: N must equal --max-peers {data_shards} "
+                "(the number of shards the run's data is cut into; by default --workers)"
+            )
 
 
 SWARM_KEYS = {
@@ -111,6 +125,8 @@ SWARM_KEYS = {
     "wait_peers": float,
     "round_timeout": float,
     "pace": str,
+    "region": str,
+    "metrics_port": int,
 }
 
 
@@ -138,6 +154,11 @@ def swarm_options(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Sw
         shard=parse_shard(shard) if shard is not None else None,
         **{renamed.get(k, k): (float(v) if k in renamed else v) for k, v in merged.items()},
     )
+
+
+def check_region(region: str | None) -> None:
+    if region is not None and not (0 < len(region) <= 32 and set(region) <= REGION_CHARS):
+        raise UserError(f"--region {region!r}: use 1-32 letters, digits, '-', '_' or '.'")
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -182,12 +203,9 @@ class Peer:
         opts: SwarmOptions,
         resume: Checkpoint | None = None,
         region: Region | None = None,
+        metrics: PeerMetrics | None = None,
     ) -> None:
-        if opts.shard is not None and opts.shard[1] != cfg.data_shards:
-            raise UserError(
-                f"--shard {opts.shard[0]}/{opts.shard[1]}: N must equal --max-peers {cfg.data_shards} "
-                "(the number of shards the run's data is cut into; by default --workers)"
-            )
+        opts.check_shard(cfg.data_shards)
         # before any slow work: key, certificate and identity files checked
         self.membership = Membership.from_options(
             opts.swarm_key_file, opts.owner, opts.certificate, opts.identity
@@ -195,6 +213,7 @@ class Peer:
         self.cfg = cfg
         self.opts = opts
         self.region = region  # rank 0 of a region of several processes (torchrun): ``region.py``
+        self.metrics = metrics if metrics is not None else PeerMetrics()  # served with --metrics-port
         self.setup = TrainingSetup(cfg, region.placement if region is not None else None)
         step_time = self.setup.step_time() if self.setup.needs_step_time() else cfg.step_time
         self.settings = self.setup.settings(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6, step_time)
@@ -214,11 +233,15 @@ class Peer:
         self.stall_s = 0.0
         self.eval_s = 0.0  # evaluation time, kept out of the training throughput
         self.steps_trained = 0  # inner steps this process trained (a joiner's run starts past step 0)
+        self.train_started: float | None = None  # perf_counter when training began (after the wait)
+        self.val_ppl = NONE_YET  # the latest evaluation of θ̄
+        self.peer_id = ""  # known once its DHT is up (``run``)
         self.versions = [0] * len(self.strategy.fragments) if isinstance(self.strategy, Strategy) else [0]
         self.pending: dict[int, asyncio.Task[PreparedResult]] = {}
         self.failed_in_a_row = 0  # syncs that failed since the last one that completed
         self.paced_before = False  # the swarm has sent less than configured, and this peer said so
         self.run_log: RunLog | None = None
+        self.progress: Phases = Progress("", cfg.steps, 0, None)  # quiet, unless ``run`` is given one
         self.shard_index: int | None = opts.shard[0] if opts.shard else None
         self.exchange: FragmentExchange | None = None
         self.state_server: StateServer | None = None
@@ -246,9 +269,14 @@ class Peer:
             resume.check_data(data)
             self.shard_index = resume.restore(lambda state: int(state["shard"]))
 
+    @property
+    def name(self) -> str:
+        """What operators see this peer as: --region, else the first 12 characters of its peer id."""
+        return self.opts.region or self.peer_id[:12]
+
     # ---- lifecycle ----
 
-    async def run(self, log_file: RunLog, progress: Any = None) -> dict[str, Any]:
+    async def run(self, log_file: RunLog, progress: Phases | None = None) -> dict[str, Any]:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -279,6 +307,12 @@ class Peer:
         try:
             p2p = self.p2p = await dht.replicate_p2p()
             self.peer_id = p2p.peer_id.to_base58()
+            self.metrics.identify(
+                run_id=self.opts.run_id, region=self.name, peer_id=self.peer_id, algo=self.cfg.algo
+            )
+            if progress is not None:
+                self.progress = progress
+                progress.named(self.name)
             # A record outlives 8 heartbeats: a peer briefly starved of CPU must not vanish from the
             # board (a leader would form rounds without it); a dead one is gone within 8 s.
             board = Board(dht, self.opts.run_id, self.peer_id, ttl_s=8 * self.opts.heartbeat_s)
@@ -323,7 +357,7 @@ class Peer:
             leave = asyncio.create_task(self._leave_when(stop, board))
             self.watchdog = asyncio.create_task(self._watch_for_lapse(board))
             try:
-                summary = await self._train(log_file, stop, progress, board)
+                summary = await self._train(log_file, stop, board)
             finally:
                 if stop.is_set():  # the others must read "leaving" before anything else
                     await asyncio.wait({leave}, timeout=board.timeout)
@@ -425,7 +459,20 @@ class Peer:
             outliers=dict(ex.outliers.most_common(4)) if ex else {},
             theta_step=self.agreement.latest()[0],
             theta_sha=self.agreement.latest()[1],
+            region=self.name,
+            tokens_per_s=self._tokens_per_s(),
+            val_ppl=self.val_ppl,
+            bytes_received=ex.stats.bytes_received if ex else 0,
+            last_round_s=ex.stats.last_round_s if ex else NONE_YET,
         )
+
+    def _tokens_per_s(self) -> float:
+        """Tokens this process trained per second since training began, evaluations left out (the
+        wait for peers comes before): what the summary reports and the record shows meanwhile."""
+        if self.train_started is None:
+            return 0.0
+        training_s = time.perf_counter() - self.train_started - self.eval_s
+        return self.steps_trained * self.cfg.batch_size * self.cfg.seq_len / max(training_s, 1e-9)
 
     def _refused(self, count: int = 4) -> dict[str, int]:
         """The peers this peer refused most (non-members, limits exceeded), by its exchange and its
@@ -464,6 +511,7 @@ class Peer:
         view = {**self.view, **fresh}
         self.view = {p: r for p, r in view.items() if now - self.last_seen[p] <= max(board.ttl_s, r.ttl_s)}
         self._compare_theta()
+        self._sample_metrics()
 
     def _compare_theta(self) -> None:
         """Compare our θ̄ digests with those on the board: name the peers that disagree, and take the
@@ -616,6 +664,8 @@ class Peer:
                 self._take_free_shard(same)
                 return True
             live = sorted(p for p, r in same.items() if r.state in ("waiting", "training"))
+            here = sorted(self._name_of(p) for p in live if p != self.peer_id)
+            self.progress.waiting([self.name, *here], self.cfg.workers)
             if len(live) >= self.cfg.workers and self.peer_id in live:
                 self._settle_shard(live, same)
                 if self.resume is not None or any(same[p].resume_step >= 0 for p in live):
@@ -623,6 +673,11 @@ class Peer:
                 return False
             self._check_wait(stop, deadline, f"only {len(live)} of --workers {self.cfg.workers} peers joined")
             await asyncio.sleep(0.2)
+
+    def _name_of(self, peer: str) -> str:
+        """Another peer as operators see it: the region its record names, else its peer id's start."""
+        record = self.view.get(peer)
+        return record.region if record is not None and record.region else peer[:12]
 
     async def _check_not_odd_one_out(self, same: dict[str, PeerRecord], board: Board) -> None:
         """Stop with one line when every other peer of this run id has another configuration or
@@ -748,6 +803,7 @@ class Peer:
             task.cancel()
         self.pending.clear()
         await self._announce(board)  # the others stop counting on us at once
+        self.progress.joining([])
         deadline = time.monotonic() + self.opts.wait_peers_s
         while True:
             self._check_swarm()
@@ -763,6 +819,7 @@ class Peer:
                 key=lambda p: (-self.view[p].step, p),
             )[:DONORS]
             if donors:
+                self.progress.joining([self._name_of(d) for d in donors])
                 break
             if any(r.state == "done" and self._same_run(r) for r in self.view.values()):
                 raise UserError(
@@ -842,6 +899,33 @@ class Peer:
         assert self.run_log is not None
         self.run_log.write(record)
         self.written.append(record)
+        self.metrics.record(record)
+        self._sample_metrics()
+
+    def _sample_metrics(self) -> None:
+        """Hand this peer's numbers to its metrics (``monitoring.py``): after every step and record,
+        and every heartbeat. A scrape reads only this sample, never the live counters."""
+        ex, cfg = self.exchange, self.cfg
+        servers = [s for s in (ex, self.state_server) if s is not None]
+        self.metrics.sample = PeerSample(
+            state=self.state,
+            step=self.step,
+            inner_steps=self.steps_trained,
+            tokens=self.steps_trained * cfg.batch_size * cfg.seq_len,
+            step_seconds=self.step_time_s,
+            tokens_per_second=self._tokens_per_s(),
+            stall_seconds=self.stall_s,
+            sent_bytes=ex.stats.bytes_sent if ex else 0,
+            resent_bytes=ex.stats.bytes_resent if ex else 0,
+            served_bytes=ex.stats.bytes_served if ex else 0,
+            received_bytes=ex.stats.bytes_received if ex else 0,
+            rounds_completed=ex.stats.rounds_done if ex else 0,
+            rounds_failed=ex.stats.rounds_failed if ex else 0,
+            resyncs=self.resyncs,
+            refused=sum(sum(s.limiter.refused.values()) for s in servers),
+            outliers=sum(ex.outliers.values()) if ex else 0,
+            board=dict(Counter(r.state for r in self.view.values())),
+        )
 
     def _record_join(self, peer: str, joined_at: int, shard: int | None = None) -> None:
         """One record in --out per peer (and per time it took the state) this peer learns of: the
@@ -906,13 +990,11 @@ class Peer:
     async def _in_train_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.train_pool, fn, *args)
 
-    async def _train(
-        self, log_file: RunLog, stop: asyncio.Event, progress: Any, board: Board
-    ) -> dict[str, Any]:
+    async def _train(self, log_file: RunLog, stop: asyncio.Event, board: Board) -> dict[str, Any]:
         cfg = self.cfg
         assert self.shard_index is not None and self.exchange is not None
         shard = self.setup.shard(self.shard_index, cfg.data_shards)
-        started = time.perf_counter()
+        started = self.train_started = time.perf_counter()
         train_losses: list[float] = []
         failure = None  # why this peer stopped training with the swarm, if it did
         if self.resume is not None and self.written:  # --out as the uninterrupted run's, then on
@@ -922,6 +1004,7 @@ class Peer:
             first, last = evals[0], evals[-1]
         else:
             first = last = await self._evaluate(self.step, started, train_losses, log_file)
+        self.progress.training(self.step)
         while self.step < cfg.steps:
             if stop.is_set():
                 log.warning("stopping after step %d on a signal", self.step)
@@ -945,6 +1028,7 @@ class Peer:
                         await self._apply_due(step, stop)
             except Resync as exc:
                 await self._resync(board, stop, exc)
+                self.progress.training(self.step)
                 continue
             except SyncsFailing as exc:
                 log.error("%s", exc)
@@ -954,8 +1038,8 @@ class Peer:
                 self.state_server.step_done(step)
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last = await self._evaluate(step, started, train_losses, log_file)
-            if progress is not None:
-                progress(step, last if last["step"] == step else {})
+            self.progress.step(step, last if last["step"] == step else {})
+            self._sample_metrics()
             if self.checkpoints is not None and self.checkpoints.due(step, cfg.steps):
                 await self._write_checkpoint()  # after the step's records: the checkpoint holds them
         await self._finish_in_flight(STOP_GRACE_S if stop.is_set() else self.opts.round_timeout_s * 2)
@@ -969,11 +1053,12 @@ class Peer:
             first,
             last,
             self.strategy.global_state(),
+            unfinished=self._unfinished(failure),
             bytes_sent=stats.bytes_sent,
             stall_s=self.stall_s,
             wall_time_s=wall,
             step_time_s=self.step_time_s,
-            tokens_per_s=self.steps_trained * cfg.batch_size * cfg.seq_len / max(wall - self.eval_s, 1e-9),
+            tokens_per_s=self._tokens_per_s(),
             peak_memory_bytes=peak_memory_bytes(self.setup.placement.device),
             rounds_done=stats.rounds_done,
             rounds_failed=stats.rounds_failed,
@@ -997,6 +1082,16 @@ class Peer:
         self._log(summary)
         self.run_log = None  # the summary stays the last record: joins seen after it are not written
         return summary
+
+    def _unfinished(self, failure: str | None) -> str | None:
+        """Why this peer's θ̄ is not a finished run's (its --save goes to a partial folder), if it is not."""
+        if failure is not None:
+            return failure
+        if self.split_from is not None or self.unsettled is not None:
+            return "its θ̄ is not the one the swarm holds"
+        if self.step < self.cfg.steps:
+            return f"stopped after step {self.step} of {self.cfg.steps}"
+        return None
 
     async def _resync(self, board: Board, stop: asyncio.Event, why: Resync) -> None:
         """This peer fell out of the swarm (``Resync``): take the swarm's state again, as a joiner."""
@@ -1023,6 +1118,7 @@ class Peer:
             started = time.perf_counter()
             try:
                 averaged = await self.exchange.allreduce(f"g:{step}", self.strategy.gradient_payload(), step)
+                self.metrics.round_seconds.observe(time.perf_counter() - started)
             except RoundLost as exc:
                 raise UserError(
                     f"the swarm averaged the gradients of step {step} without this peer and that average "
@@ -1066,7 +1162,9 @@ class Peer:
         strategy = self.strategy
         round_id = fragment_round(p, sent_step)
         take_part = pace is not None
+        started = time.perf_counter()
         averaged = await self.exchange.allreduce(round_id, vector, sent_step, take_part, pace or 0)
+        self.metrics.round_seconds.observe(time.perf_counter() - started)
         return await asyncio.to_thread(strategy.prepare, p, averaged)
 
     def _paced(self, was: int | None, round_id: str) -> None:
@@ -1183,6 +1281,7 @@ class Peer:
     async def _evaluate(
         self, step: int, started: float, train_losses: list[float], log_file: RunLog
     ) -> dict[str, Any]:
+        self.progress.evaluating()
         state = self.strategy.global_state()
         eval_started = time.perf_counter()
         record = await self._in_train_thread(
@@ -1190,6 +1289,7 @@ class Peer:
         )
         self.agreement.record(step, await self._in_train_thread(params_sha256, state))
         self.eval_s += time.perf_counter() - eval_started
+        self.val_ppl = min(record["val_ppl"], 1e308)  # a record's numbers are finite (inf: loss past 700)
         record.update(
             wall_time_s=time.perf_counter() - started,
             train_loss=sum(train_losses) / len(train_losses) if train_losses else None,

@@ -35,7 +35,7 @@ from p2p_cocodc.data import Shard
 from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.metrics import RunLog
 from p2p_cocodc.replay import read_events
-from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, summary_record
+from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, save_run, summary_record
 
 
 @dataclass
@@ -142,7 +142,8 @@ class Simulation:
         A resumed simulation first writes the records of the steps before its checkpoint, so ``log``
         ends as an uninterrupted run's would. ``checkpoints`` writes the state when it is due and
         after the last step. ``stop`` is asked after every step: a signal there ends the run, after
-        checkpointing that step when ``checkpoints`` is given, with ``Stopped``."""
+        checkpointing that step when ``checkpoints`` is given (and writing --save's partial folder),
+        with ``Stopped``."""
         cfg = self.cfg
         if self.records:
             for record in self.records:
@@ -172,6 +173,10 @@ class Simulation:
             if checkpoints is not None and (received is not None or checkpoints.due(step, cfg.steps)):
                 written = checkpoints.write(step, self.state_dict())
             if received is not None:
+                if cfg.save is not None:  # written as DIR.partial-step-T, never as a finished run's DIR
+                    evals = [record for record in self.records if record["kind"] == "eval"]
+                    unfinished = f"stopped by {received.name}"
+                    save_run(self.setup, self.global_state(), step, evals[0], evals[-1], unfinished)
                 how = (
                     f"checkpoint written to {written}; to continue, run the same command with --resume"
                     if written is not None

@@ -11,6 +11,7 @@ import hashlib
 import math
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,15 +20,15 @@ from torch import nn
 from p2p_cocodc.algorithms.fragments import make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer, evaluate
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
-from p2p_cocodc.checkpoint import save_global
 from p2p_cocodc.codecs import Codec, get_codec
 from p2p_cocodc.config import AUTO, TrainConfig
 from p2p_cocodc.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
 from p2p_cocodc.devices import Placement
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.hf import hf_tokenizer, is_hf_model, save_hf_model
+from p2p_cocodc.hf import hf_tokenizer, is_hf_model
 from p2p_cocodc.metrics import params_sha256, perplexity
 from p2p_cocodc.model import build_model, count_parameters
+from p2p_cocodc.saved_model import save_model
 
 
 class TrainingSetup:
@@ -41,8 +42,9 @@ class TrainingSetup:
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         corpus = load_corpus(cfg.data)
-        tokenizer = hf_tokenizer(cfg) if is_hf_model(cfg.model) else load_tokenizer(cfg.tokenizer, corpus)
-        self.tokens = tokenize_corpus(corpus, tokenizer)
+        hf = is_hf_model(cfg.model)
+        self.tokenizer = hf_tokenizer(cfg) if hf else load_tokenizer(cfg.tokenizer, corpus)
+        self.tokens = tokenize_corpus(corpus, self.tokenizer)
         torch.manual_seed(cfg.seed)
         self.base = build_model(cfg.model, self.tokens.vocab_size, cfg.seq_len)
         self.num_params = count_parameters(self.base)
@@ -140,17 +142,14 @@ def summary_record(
     first: dict[str, Any],
     last: dict[str, Any],
     global_state: dict[str, torch.Tensor],
+    unfinished: str | None = None,
     **measured: Any,
 ) -> dict[str, Any]:
-    """The last record of every run, simulated or real; writes θ̄ to --save when asked."""
+    """The last record of every run, simulated or real; writes θ̄ to --save when asked (to its
+    partial name when ``unfinished`` says why the run did not finish with the swarm)."""
     cfg = setup.cfg
     digest = params_sha256(global_state)
-    if cfg.save is not None:
-        metadata = {"global_params_sha256": digest, "algo": cfg.algo}
-        if is_hf_model(cfg.model):  # a folder AutoModelForCausalLM.from_pretrained loads
-            save_hf_model(setup.base, global_state, cfg.save, metadata)
-        else:
-            save_global(global_state, cfg.save, metadata)
+    saved = None if cfg.save is None else save_run(setup, global_state, last["step"], first, last, unfinished)
     return {
         "kind": "summary",
         "algo": cfg.algo,
@@ -163,8 +162,37 @@ def summary_record(
         "transmissions": settings.transmissions,
         "num_params": setup.num_params,
         "global_params_sha256": digest,
+        "saved": saved,  # the folder --save wrote, if any
         "config": asdict(cfg),
     }
+
+
+def save_run(
+    setup: TrainingSetup,
+    global_state: dict[str, torch.Tensor],
+    steps: int,
+    first: dict[str, Any],
+    last: dict[str, Any],
+    unfinished: str | None = None,
+) -> str | None:
+    """Write θ̄ after ``steps`` steps to --save (a run that did not finish: to its partial name)
+    with the run's facts, ``first`` and ``last`` being its first and last eval records; returns
+    the folder written."""
+    cfg = setup.cfg
+    run = {
+        "algo": cfg.algo,
+        "steps": steps,
+        "finished": unfinished is None,
+        "unfinished": unfinished,
+        "final_val_loss": last["val_loss"],
+        "final_val_ppl": last["val_ppl"],
+        "evaluated_at_step": last["step"],
+        "initial_val_ppl": first["val_ppl"],
+        "data": None if cfg.data is None else str(Path(cfg.data).resolve()),
+        "data_sha256": setup.data_sha256(),
+        "options": cfg.computing_options(),
+    }
+    return save_model(setup, global_state, run)
 
 
 def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:

@@ -151,16 +151,21 @@ class Bootstrap:
 
 
 def start_bootstrap(
-    cwd: Path, host: str = "127.0.0.1", prefix: Sequence[str] = (), extra: Sequence[str] = ()
+    cwd: Path,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+    extra: Sequence[str] = (),
+    ports: tuple[int, int] | None = None,
 ) -> Bootstrap:
-    status_port = free_port()
+    """``ports``: its libp2p and status ports (default: free ones)."""
+    port, status_port = ports or (free_port(), free_port())
     proc = spawn(
         [
             "bootstrap",
             "--host",
             host,
             "--port",
-            str(free_port()),
+            str(port),
             "--status-port",
             str(status_port),
             "--identity",

@@ -253,10 +253,10 @@ def test_streaming_with_one_fragment_and_no_overlap_equals_diloco() -> None:
 
 
 def test_cocodc_without_overlap_equals_streaming_without_merge() -> None:
-    _, cocodc = simulate(SMALL, algo="cocodc", overlap=0, dc_lambda=0.5)
+    _, cocodc = simulate(SMALL, algo="cocodc", overlap=0, dc_lambda=0.5, dc_alpha=0.0)
     _, streaming = simulate(SMALL, algo="streaming", overlap=0, alpha=0.0)
     assert cocodc["global_params_sha256"] == streaming["global_params_sha256"]
-    _, overlapped = simulate(SMALL, algo="cocodc", overlap=2, dc_lambda=0.5)
+    _, overlapped = simulate(SMALL, algo="cocodc", overlap=2, dc_lambda=0.5, dc_alpha=0.0)
     assert overlapped["global_params_sha256"] != streaming["global_params_sha256"]
 
 
@@ -378,13 +378,14 @@ def test_a_joiner_takes_over_global_params_momentum_schedule_and_syncs_in_flight
     for strategy in (donor, joiner):
         strategy.apply(0, averaged, 8)
     assert params_sha256(joiner.global_state()) == params_sha256(donor.global_state())
-    # the joiner compensates its progress since S against θ̄_0 at S
+    # the joiner compensates its progress since S against θ̄_0 at S, damped by dc_alpha
     f = joiner.fragments[0]
     z = joiner.outer[0].global_params
     expected = compensate_per_tensor(
         f.per_tensor(z), f.per_tensor(theta_bar), f.per_tensor(now), SMALL.dc_lambda
     )
-    assert torch.equal(f.read(), torch.cat([e.reshape(-1) for e in expected]))
+    compensated = torch.cat([e.reshape(-1) for e in expected])
+    assert torch.equal(f.read(), torch.lerp(compensated, now, SMALL.dc_alpha))
 
 
 def test_joining_from_a_state_of_another_fragment_split_is_refused() -> None:

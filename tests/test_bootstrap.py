@@ -158,7 +158,8 @@ def test_addresses_are_served_and_resolvable(boot: Bootstrap) -> None:
 
 
 def test_the_libp2p_port_given_for_the_status_port_gets_one_line_naming_both(boot: Bootstrap) -> None:
-    with pytest.raises(UserError, match="--status-port") as raised:
+    """Its status port is neither the default one nor the next one: nothing to find it by."""
+    with pytest.raises(UserError, match="is the bootstrap's libp2p port: give its status port") as raised:
         parse_bootstrap(f"127.0.0.1:{boot.port}")
     assert "\n" not in str(raised.value)
 
@@ -200,7 +201,9 @@ def test_status_shows_a_run_published_by_a_peer(boot: Bootstrap) -> None:
     assert run["info"] == {"algo": "cocodc", "workers": 2}
     expected = record.to_wire()
     del expected["fingerprint"], expected["ttl_s"]  # /status leaves both out
-    assert run["peers"][me] == expected
+    seen = run["peers"][me]
+    assert 0 <= seen.pop("age_s") < 30 and seen.pop("health") == []  # what the bootstrap adds (watch.py)
+    assert seen == expected
     assert isinstance(status["updated_at"], float)
 
 

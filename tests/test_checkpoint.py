@@ -333,6 +333,7 @@ def test_a_signal_checkpoints_and_exits_non_zero(tmp_path: Path, sig: signal.Sig
     steps = 64
     folder = tmp_path / "ck"
     run = ["simulate", *CLI_RUN, "--steps", str(steps), "--out", "run.jsonl", "--checkpoint-dir", str(folder)]
+    run += ["--save", "model"]
     proc = spawn(run, tmp_path, "run.log")
     try:
         out = tmp_path / "run.jsonl"
@@ -353,12 +354,18 @@ def test_a_signal_checkpoints_and_exits_non_zero(tmp_path: Path, sig: signal.Sig
     ), log
     assert 8 <= step < steps and "Traceback" not in log
     assert records(out)[-1]["kind"] == "eval"
+    # --save: never under the name a finished run's model takes
+    assert not (tmp_path / "model").exists()
+    partial = json.loads((tmp_path / f"model.partial-step-{step}" / "p2p-cocodc.json").read_text())
+    assert partial["run"]["finished"] is False and partial["run"]["steps"] == step, partial["run"]
     if sig == signal.SIGTERM:
         resumed = run_cli([*run, "--resume"], tmp_path, 120)
         assert resumed.returncode == 0, resumed.stderr
         recs = records(out)
         assert [r["step"] for r in recs[:-1]] == list(range(0, steps + 1, 8))
         assert recs[-1]["kind"] == "summary" and recs[-1]["steps"] == steps
+        saved = json.loads((tmp_path / "model" / "p2p-cocodc.json").read_text())
+        assert saved["run"]["finished"] and saved["global_params_sha256"] == recs[-1]["global_params_sha256"]
 
 
 # ---- output paths are checked before any set-up ----
@@ -368,10 +375,11 @@ def test_a_signal_checkpoints_and_exits_non_zero(tmp_path: Path, sig: signal.Sig
 def test_unwritable_output_paths_are_refused(tmp_path: Path, option: str) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
+    on_a_file = {"out": "already exists", "save": "is a file", "checkpoint_dir": "is a file, not a folder"}
     for path, message in (
         (blocker / "sub" / "x", "cannot create the folder"),
         (tmp_path, "is a folder" if option != "checkpoint_dir" else None),
-        (blocker, "is a file, not a folder" if option == "checkpoint_dir" else None),
+        (blocker, on_a_file[option]),
     ):
         cfg = replace(BASE, **{option: str(path)})
         if message is None:

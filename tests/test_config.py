@@ -22,12 +22,46 @@ def test_defaults_validate() -> None:
     assert settings.algo == "cocodc" and settings.transmissions == cfg.fragments == 4
 
 
+def test_simulate_with_no_options_is_the_quick_run_and_the_study_is_a_profile() -> None:
+    """`p2p-cocodc simulate` alone, parsed as the command line parses it: the micro model, 4 workers,
+    192 steps (minutes on 2 cores); profiles/study.toml is the long study the README names."""
+    from p2p_cocodc.cli import FIELDS, _config_from, simulate
+
+    params = simulate.make_context("simulate", []).params
+    quick = _config_from(params["config_path"], {k: v for k, v in params.items() if k in FIELDS})
+    assert (quick.algo, quick.model, quick.workers, quick.steps, quick.eval_every) == (
+        "cocodc",
+        "micro",
+        4,
+        192,
+        24,
+    )
+    study = _config_from(str(Path(__file__).parent.parent / "profiles" / "study.toml"), {"algo": "streaming"})
+    assert (study.algo, study.model, study.workers, study.steps, study.eval_every) == (
+        "streaming",
+        "tiny",
+        4,
+        480,
+        48,
+    )
+
+
+def test_cocodc_defaults_are_the_damped_rule() -> None:
+    """--algo cocodc with no other option: λ0 1 and half the compensated jump (docs/convergence-bar-b.md),
+    and the region profiles train with the same rule."""
+    settings = build_config({}, {"algo": "cocodc"}).algo_settings()
+    assert (settings.dc_rule, settings.dc_lambda, settings.dc_alpha) == ("tensor", 1.0, 0.5)
+    for profile in sorted((Path(__file__).parent.parent / "peers").glob("*.toml")):
+        rule = build_config(load_toml(profile), {}).algo_settings()
+        assert (rule.dc_rule, rule.dc_lambda, rule.dc_alpha) == ("tensor", 1.0, 0.5), profile
+
+
 def test_build_config_precedence() -> None:
     cfg = build_config({"seed": 3, "workers": 2, "algo": "streaming"}, {"seed": "9", "lr": "0.01"})
     assert cfg.seed == 9  # the command line beats the file
     assert cfg.workers == 2 and cfg.algo == "streaming"  # the file beats the defaults
     assert cfg.lr == 0.01  # command-line strings are coerced
-    assert cfg.steps == TrainConfig().steps == 480  # untouched: the default
+    assert cfg.steps == TrainConfig().steps  # untouched: the default
 
 
 def test_build_config_validates_the_merge() -> None:

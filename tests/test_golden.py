@@ -39,6 +39,9 @@ BASE = TrainConfig(
     latency_ms=50.0,
     bandwidth_mbps=2.0,
     threads=1,
+    # the cocodc rule the traces were recorded with (the defaults until the damped rule replaced them)
+    dc_lambda=0.5,
+    dc_alpha=0.0,
 )
 CASES = {
     "ddp": {"algo": "ddp", "overlap": 0},

@@ -292,8 +292,8 @@ def test_save_writes_a_folder_transformers_loads(
     start = transformers.AutoModelForCausalLM.from_pretrained(models["llama-tied"], local_files_only=True)
     with torch.no_grad():
         assert not torch.allclose(start(input_ids=ids).logits, got)  # it trained
-    # a second --save to the same folder replaces the first
-    Simulation(replace(cfg, seed=1)).run(RunLog(None))
+    # with --force, a second --save to the same folder replaces the first
+    Simulation(replace(cfg, seed=1, force=True)).run(RunLog(None))
     assert (
         json.loads((folder / "p2p-cocodc.json").read_text())["global_params_sha256"]
         != (summary["global_params_sha256"])

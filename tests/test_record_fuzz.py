@@ -20,7 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_cocodc.swarm import trust
-from p2p_cocodc.swarm.records import MAX_FRAGMENTS, MAX_LIFETIME_S, MAX_TALLY, STATES, PeerRecord
+from p2p_cocodc.swarm.records import (
+    MAX_FRAGMENTS,
+    MAX_LIFETIME_S,
+    MAX_REGION,
+    MAX_TALLY,
+    NONE_YET,
+    REGION_CHARS,
+    STATES,
+    PeerRecord,
+)
 from p2p_cocodc.swarm.state_transfer import (
     DTYPES,
     MAX_CHUNKS,
@@ -300,6 +309,11 @@ valid_field = {
     ),
     "theta_step": st.integers(-1, 2**63),
     "theta_sha": st.text(max_size=16),
+    "region": st.text(alphabet=sorted(REGION_CHARS), max_size=MAX_REGION) | st.text(max_size=MAX_REGION + 1),
+    "tokens_per_s": st.floats(0, 1e9),
+    "val_ppl": st.just(NONE_YET) | st.floats(0, 1e308) | st.floats(-2, 0),
+    "bytes_received": st.integers(0, 2**64 - 1),
+    "last_round_s": st.just(NONE_YET) | st.floats(-2, 1e9),
 }
 assert set(valid_field) == set(FIELDS)
 # every field valid, or hostile: most examples break one or two fields of an otherwise good record
@@ -322,13 +336,16 @@ def check_peer_record(record: PeerRecord | None) -> None:
         return
     r = record
     assert r.state in STATES and type(r.state) is str
-    for x in (r.step, r.num_shards, r.bytes_sent, r.joined_at):
+    for x in (r.step, r.num_shards, r.bytes_sent, r.joined_at, r.bytes_received):
         assert is_int(x) and x >= 0
     assert is_int(r.resume_step) and r.resume_step >= -1
     assert is_int(r.theta_step) and r.theta_step >= -1
     assert r.shard is None or (is_int(r.shard) and 0 <= r.shard < r.num_shards)
-    for x in (r.step_time_s, r.bandwidth_mbps, r.stall_s, r.ttl_s):
+    for x in (r.step_time_s, r.bandwidth_mbps, r.stall_s, r.ttl_s, r.tokens_per_s):
         assert is_number(x) and x >= 0
+    for x in (r.val_ppl, r.last_round_s):  # a measure, or none yet
+        assert is_number(x) and (x >= 0 or x == NONE_YET)
+    assert type(r.region) is str and len(r.region) <= MAX_REGION and set(r.region) <= REGION_CHARS
     assert 0 < r.ttl_s <= MAX_LIFETIME_S
     assert type(r.fingerprint) is str and len(r.fingerprint) <= 64
     assert type(r.key_id) is str and 0 < len(r.key_id) <= 16
@@ -360,7 +377,8 @@ def test_peer_record_from_wire_refuses_an_int_too_big_for_a_float() -> None:
     """Not reachable through msgpack (its ints fit in 64 bits), but a record is refused, not an
     OverflowError (``math.isfinite`` on an int past ~1e308), whatever hands it over."""
     crashed = []
-    for field in ("step_time_s", "bandwidth_mbps", "stall_s", "ttl_s"):
+    floats = ("step_time_s", "bandwidth_mbps", "stall_s", "ttl_s", "tokens_per_s", "val_ppl", "last_round_s")
+    for field in floats:
         value = PeerRecord("training", 3, 0, 2, 0.25, 1.0, "f" * 16, [1, 2]).to_wire()
         value[field] = 10**400
         try:

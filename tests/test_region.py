@@ -45,7 +45,7 @@ def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path) -> N
     try:
         common = ["join", "--bootstrap", boot.host_port, *OPTIONS, "--run-id", "region", "--pace", "fixed"]
         region = torchrun(
-            [*common, "--shard", "0/2", "--out", "a.jsonl", "--save", "a.safetensors"], free_port()
+            [*common, "--shard", "0/2", "--out", "a.jsonl", "--save", "a-model"], free_port()
         )
         log = open(tmp_path / "a.log", "w")  # noqa: SIM115 - the process owns it until it ends
         procs.append(
@@ -55,10 +55,10 @@ def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path) -> N
         )
         procs.append(
             spawn(
-                [*common, "--shard", "1/2", "--out", "b.jsonl", "--save", "b.safetensors"], tmp_path, "b.log"
+                [*common, "--shard", "1/2", "--out", "b.jsonl", "--save", "b-model"], tmp_path, "b.log"
             )
         )
-        sim = run_cli(["simulate", *OPTIONS, "--save", "sim.safetensors"], tmp_path, timeout=120)
+        sim = run_cli(["simulate", *OPTIONS, "--save", "sim-model"], tmp_path, timeout=120)
         assert sim.returncode == 0, sim.stderr
         for name, proc in zip("ab", procs, strict=True):
             assert proc.wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
@@ -70,8 +70,8 @@ def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path) -> N
     assert a["kind"] == b["kind"] == "summary"
     assert a["rounds_done"] >= 4 and a["rounds_failed"] == 0
     assert a["global_params_sha256"] == b["global_params_sha256"]  # one θ̄ in the swarm, bit for bit
-    reference = load_file(str(tmp_path / "sim.safetensors"))
-    got = load_file(str(tmp_path / "a.safetensors"))
+    reference = load_file(tmp_path / "sim-model" / "model.safetensors")
+    got = load_file(tmp_path / "a-model" / "model.safetensors")
     worst = max(float((got[k] - reference[k]).abs().max()) for k in reference)
     assert worst <= TOLERANCE, f"θ̄ of the 2-rank region differs from a 1-process region's by {worst}"
 

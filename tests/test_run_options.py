@@ -12,7 +12,7 @@ from p2p_cocodc.swarm.run_options import SHOWN_CHARS, differences, fingerprint, 
 from p2p_cocodc.training import TrainingSetup
 
 BASE = TrainConfig(
-    model="nano", tokenizer="byte", seq_len=32, batch_size=4, workers=2, inner_steps=8, fragments=2
+    model="nano", tokenizer="byte", seq_len=32, batch_size=4, workers=2, steps=48, inner_steps=8, fragments=2
 )
 
 
@@ -38,7 +38,7 @@ def test_the_view_names_options_as_the_command_line_does() -> None:
         ({"lr": 2e-3}, "--lr 0.002 there, 0.001 here"),
         ({"outer_lr": 0.4}, "--outer-lr 0.4 there, 0.7 here"),
         ({"overlap": 3}, "--overlap 3 there, 2 here"),
-        ({"steps": 96}, "--steps 96 there, 480 here"),
+        ({"steps": 96}, "--steps 96 there, 48 here"),
         ({"max_peers": 3}, "--max-peers 3 there, 2 here"),
     ],
 )

@@ -64,11 +64,11 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
             args = ["join", "--bootstrap", address, "--algo", algo, *TINY]
             if algo == "cocodc" or i == 0:  # streaming: peers 1 and 2 pick the free shards themselves
                 args += ["--shard", f"{i}/3"]
-            args += ["--out", f"peer{i}.jsonl", "--save", f"peer{i}.safetensors", "--run-id", f"t-{algo}"]
+            args += ["--out", f"peer{i}.jsonl", "--save", f"peer{i}-model", "--run-id", f"t-{algo}"]
             args += ["--verbose", "--pace", "fixed"]  # the simulator's timetable, however loaded this machine
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
         sim = run_cli(
-            ["simulate", "--algo", algo, *TINY, "--out", "sim.jsonl", "--save", "sim.safetensors"],
+            ["simulate", "--algo", algo, *TINY, "--out", "sim.jsonl", "--save", "sim-model"],
             tmp_path,
             timeout=120,
         )
@@ -76,6 +76,8 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
         for i, peer in enumerate(peers):
             code = peer.wait(timeout=180)
             assert code == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
+        ended = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
+        wait_for(lambda: watched_to_the_end(boot.host_port, f"t-{algo}", ended), 30, "the last records")
     finally:
         for proc in [*peers, boot.proc]:
             end_group(proc)
@@ -91,9 +93,9 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
     # the simulator models the butterfly as 2(M−1)/M of the payload; real slices differ by rounding
     assert summaries[0]["bytes_sent"] == pytest.approx(expected["bytes_sent"], rel=1e-4)
 
-    reference = load_file(str(tmp_path / "sim.safetensors"))
+    reference = load_file(tmp_path / "sim-model" / "model.safetensors")
     for i in range(3):
-        got = load_file(str(tmp_path / f"peer{i}.safetensors"))
+        got = load_file(tmp_path / f"peer{i}-model" / "model.safetensors")
         assert list(got) == list(reference)
         worst = max(float((got[k] - reference[k]).abs().max()) for k in reference)
         assert worst <= 1e-5, f"peer {i}: θ̄ differs from the simulator's by {worst}"
@@ -101,6 +103,24 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
     evals = [r for r in records(tmp_path / "peer0.jsonl") if r["kind"] == "eval"]
     assert [e["step"] for e in evals] == [0, 8, 16, 24, 32]
     assert all("wall_time_s" in e and "sim_time_s" not in e for e in evals)
+
+
+def watched_to_the_end(boot_status: str, run_id: str, summaries: list[dict]) -> bool:
+    """The bootstrap's history of each peer ends on the perplexity its summary gives: the record a
+    peer publishes carries what operators watch (its name, θ̄'s perplexity, throughput, bytes)."""
+    with urllib.request.urlopen(f"http://{boot_status}/history", timeout=10) as reply:
+        history = json.load(reply)
+    series = history["runs"].get(run_id, {})
+    for summary in summaries:
+        peer = series.get(summary["peer_id"])
+        if peer is None:
+            return False
+        last = dict(zip(history["fields"], peer["points"][-1], strict=True))
+        if last["val_ppl"] != summary["final_val_ppl"]:
+            return False
+        assert peer["region"] == summary["peer_id"][:12]  # no --region: the peer id's start
+        assert last["tokens_per_s"] > 0 and last["bytes_received"] > 0 and last["bytes_sent"] > 0
+    return True
 
 
 def test_join_without_a_bootstrap_ends_with_a_clear_message(tmp_path: Path) -> None:
@@ -437,7 +457,7 @@ def training_alone(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
     """A one-peer run (no partner to wait for) that trains until stopped, ended whatever happens."""
     boot = start_bootstrap(tmp_path)
     args = ["join", "--bootstrap", boot.maddr, *TINY, "--workers", "1", "--steps", "100000"]
-    peer = spawn(args + ["--out", "peer.jsonl"], tmp_path, "peer.log")
+    peer = spawn(args + ["--out", "peer.jsonl", "--save", "model"], tmp_path, "peer.log")
     try:
         out = tmp_path / "peer.jsonl"
         wait_for(lambda: evals(out) >= 2, 90, "training to start")
@@ -454,16 +474,22 @@ def test_sigterm_stops_a_peer_cleanly(tmp_path: Path) -> None:
         summary = records(out)[-1]
         assert summary["kind"] == "summary" and 8 <= summary["steps"] < 100000
         assert descendants(peer.pid) == []
+        # its θ̄ is saved, but never under the name a finished run's takes
+        assert summary["saved"] == f"model.partial-step-{summary['steps']}"
+        assert not (tmp_path / "model").exists()
+        saved = json.loads((tmp_path / summary["saved"] / "p2p-cocodc.json").read_text())
+        assert saved["run"]["finished"] is False
+        assert saved["global_params_sha256"] == summary["global_params_sha256"]
 
 
 def test_global_parameters_file_loads_into_the_model(tmp_path: Path) -> None:
-    """--save writes θ̄ that torch can load back into the preset model."""
+    """--save writes θ̄ in a folder whose model.safetensors torch loads back into the preset model."""
     from p2p_cocodc.model import build_model
 
-    done = run_cli(["simulate", *TINY, "--steps", "8", "--save", "theta.safetensors"], tmp_path, timeout=120)
+    done = run_cli(["simulate", *TINY, "--steps", "8", "--save", "theta"], tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     model = build_model("nano", 256, 32)
-    state = load_file(str(tmp_path / "theta.safetensors"))
+    state = load_file(tmp_path / "theta" / "model.safetensors")
     model.load_state_dict(state)
     assert all(torch.isfinite(t).all() for t in state.values())
 

@@ -40,11 +40,11 @@ class AlgoSettings:
     pattern: str = "strided"
     overlap: int = 12
     alpha: float = 0.5
-    dc_lambda: float = 0.5
+    dc_lambda: float = 1.0
     dc_rule: str = "tensor"
     dc_lambda_max: float = 10.0
     dc_wd_debias: bool = False
-    dc_alpha: float = 0.0
+    dc_alpha: float = 0.5
     transmissions: int = 4
     outer: OuterSettings = field(default_factory=OuterSettings)
 

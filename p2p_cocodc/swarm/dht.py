@@ -8,6 +8,7 @@ to reach a bootstrap turned into one clear line instead of a hang or a traceback
 from __future__ import annotations
 
 import ctypes
+import errno
 import http.client
 import ipaddress
 import json
@@ -57,42 +58,131 @@ def parse_bootstrap(addr: str, timeout: float = 10.0) -> list[str]:
     """Multiaddrs of a bootstrap given as a full multiaddr or as the ``host:port`` it printed.
 
     ``host:port`` is the bootstrap's HTTP status address; its ``/address`` answer lists the
-    multiaddrs (libp2p cannot dial a peer without knowing its id).
+    multiaddrs (libp2p cannot dial a peer without knowing its id). A host alone means the default
+    status port; the bootstrap's libp2p port works too where its status port is the default one or
+    the next one (``_status_port_beside``).
     """
     addr = addr.strip()
     if addr.startswith("/"):
         _check_multiaddr(addr)
         return [addr]
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(
-            f"--bootstrap {addr!r}: give a multiaddr (/ip4/HOST/tcp/PORT/p2p/ID) or the HOST:PORT "
-            "that `p2p-cocodc bootstrap` printed"
-        )
-    url = f"http://{host}:{port}/address"
+    return find_bootstrap(addr, timeout)[1]
+
+
+def find_bootstrap(addr: str, timeout: float = 10.0) -> tuple[str, list[str]]:
+    """The HOST:PORT of the bootstrap's HTTP server that answered, and the multiaddrs it gave."""
+    status, answer = _fetch(addr, "/address", timeout, multiaddr_ok=True)
+    maddrs = answer.get("maddrs") if isinstance(answer, dict) else None
+    if not isinstance(maddrs, list) or not maddrs or not all(isinstance(m, str) for m in maddrs):
+        raise UserError(f"--bootstrap {addr}: its /address did not answer with a bootstrap address")
+    for m in maddrs:
+        _check_multiaddr(m)
+    return status, maddrs
+
+
+def fetch_bootstrap_json(
+    addr: str, path: str, timeout: float, multiaddr_ok: bool = False, max_bytes: int = 64 * 1024
+) -> Any:
+    """GET ``path`` as JSON from the bootstrap's HTTP server, given as the HOST:PORT it printed;
+    every way that fails is one line saying what to check (``multiaddr_ok``: the caller also takes
+    a multiaddr). ``timeout`` bounds the connection and each read."""
+    return _fetch(addr, path, timeout, multiaddr_ok, max_bytes)[1]
+
+
+STATUS_PORT = 31338  # the bootstrap's --status-port unless told otherwise: what HOST alone means
+# The bootstrap's HTTP server is asked directly, never through $http_proxy: libp2p dials it directly
+# too, and a proxy (a corporate one, or none listening) would make a reachable bootstrap look dead.
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class _Libp2pPort(Exception):
+    """The port answered with libp2p's greeting (``/multistream/1.0.0``): the bootstrap's --port."""
+
+
+def _fetch(
+    addr: str, path: str, timeout: float, multiaddr_ok: bool = False, max_bytes: int = 64 * 1024
+) -> tuple[str, Any]:
+    """(HOST:PORT that answered, its JSON answer). Given the bootstrap's libp2p port, its status
+    port is found beside it (``_status_port_beside``), so that either port works."""
+    host, port = split_host_port(addr, multiaddr_ok)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            answer: Any = json.loads(response.read(64 * 1024))
-    except http.client.HTTPException:  # something answered, not in HTTP: libp2p's port, most likely
+        return _host_port(host, port), _get_json(addr, host, port, path, timeout, max_bytes)
+    except _Libp2pPort:
+        found = _status_port_beside(host, port, timeout)
+        if found is None:
+            raise UserError(
+                f"--bootstrap {addr} is the bootstrap's libp2p port: give its "
+                f"status port, {STATUS_PORT} by default"
+                f"{', or the full multiaddr it printed' if multiaddr_ok else ''}"
+            ) from None
+        log.info("%s is the bootstrap's libp2p port; its status port is %d", addr, found)
+        return _host_port(host, found), _get_json(addr, host, found, path, timeout, max_bytes)
+
+
+def split_host_port(addr: str, multiaddr_ok: bool = False) -> tuple[str, int]:
+    """HOST:PORT, [IPv6]:PORT, or a host alone (the default status port)."""
+    text = addr.strip()
+    bare_ip6 = text.count(":") > 1 and not text.startswith("[")
+    host, sep, port = ("", "", "") if bare_ip6 else text.rpartition(":")
+    if not sep or "]" in port:
+        host, port = text, str(STATUS_PORT)
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
+        multiaddr = "a multiaddr (/ip4/HOST/tcp/PORT/p2p/ID) or " if multiaddr_ok else ""
         raise UserError(
-            f"--bootstrap {addr}: port {port} answers, but not as the bootstrap's status server (HTTP); "
-            "if it is the bootstrap's libp2p --port, give its --status-port instead (the HOST:PORT it "
-            "printed), or its full multiaddr"
+            f"--bootstrap {addr!r}: give {multiaddr}the HOST:PORT that `p2p-cocodc bootstrap` printed"
+        )
+    return host, int(port)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _get_json(addr: str, host: str, port: int, path: str, timeout: float, max_bytes: int) -> Any:
+    url = f"http://{_host_port(host, port)}{path}"
+    try:
+        with DIRECT.open(url, timeout=timeout) as response:
+            return json.loads(response.read(max_bytes))
+    except http.client.BadStatusLine as exc:
+        if "/multistream/" in str(exc):
+            raise _Libp2pPort from None
+        raise UserError(
+            f"--bootstrap {addr}: port {port} answers, but not as the bootstrap's status server (HTTP): "
+            "is that the HOST:PORT it printed?"
         ) from None
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+    except http.client.HTTPException:
+        raise UserError(f"--bootstrap {addr}: port {port} answers, but not in HTTP as a bootstrap") from None
+    except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
+        if isinstance(exc, urllib.error.HTTPError):
+            reason = f"HTTP {exc.code} {exc.reason}"
+        elif isinstance(reason, TimeoutError):
+            reason = f"no answer within {timeout:.0f} s"
+        elif isinstance(reason, socket.gaierror):
+            reason = f"cannot resolve {host}"
+        elif isinstance(reason, OSError) and reason.strerror:
+            reason = reason.strerror.lower()
         raise UserError(
             f"--bootstrap {addr}: no p2p-cocodc bootstrap answers at {url} ({reason}); is it running, "
             "and is that the HOST:PORT it printed?"
         ) from None
     except ValueError:
-        raise UserError(f"--bootstrap {addr}: {url} did not answer with a bootstrap address") from None
-    maddrs = answer.get("maddrs") if isinstance(answer, dict) else None
-    if not isinstance(maddrs, list) or not maddrs or not all(isinstance(m, str) for m in maddrs):
-        raise UserError(f"--bootstrap {addr}: {url} did not answer with a bootstrap address")
-    for m in maddrs:
-        _check_multiaddr(m)
-    return maddrs
+        raise UserError(f"--bootstrap {addr}: {url} did not answer with JSON, as a bootstrap does") from None
+
+
+def _status_port_beside(host: str, libp2p_port: int, timeout: float) -> int | None:
+    """The status port of the bootstrap whose libp2p port is ``libp2p_port``, where it is the default
+    one or the next port; taken only if its ``/address`` lists a multiaddr on ``libp2p_port``."""
+    for port in dict.fromkeys(p for p in (STATUS_PORT, libp2p_port + 1) if p != libp2p_port and p < 65536):
+        try:
+            answer = _get_json("", host, port, "/address", min(timeout, 3.0), 64 * 1024)
+        except (UserError, _Libp2pPort):
+            continue
+        maddrs = answer.get("maddrs") if isinstance(answer, dict) else None
+        if isinstance(maddrs, list) and any(f"/tcp/{libp2p_port}/" in str(m) for m in maddrs):
+            return port
+    return None
 
 
 def _check_multiaddr(addr: str) -> None:
@@ -114,6 +204,8 @@ def listen_maddrs(host: str, port: int, flag: str = "--host") -> list[str]:
     here (hivemind's daemon would fail on it in a child process and leave the parent waiting)."""
     if not 0 <= port < 65536:
         raise UserError(f"--port must be in [0, 65535], got {port}")
+    if flag == "--announce" and not port:
+        raise UserError("--announce needs a fixed --port: the announced address must be dialable")
     kind = "dns"
     if ":" in host or host.replace(".", "").isdigit():
         try:
@@ -123,6 +215,34 @@ def listen_maddrs(host: str, port: int, flag: str = "--host") -> list[str]:
     elif not HOST_NAME.fullmatch(host):
         raise UserError(f"{flag} {host!r} is not an IP address or host name")
     return [f"/{kind}/{host}/tcp/{port}"]
+
+
+def check_listen_address(host: str, port: int) -> str:
+    """Bind ``host``:``port`` as p2pd will (and let go at once): a taken port or an address this
+    machine does not have is refused here, in one line. p2pd itself would not refuse a port another
+    p2pd holds (both set SO_REUSEPORT): two peers would share it and each would dial itself."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # a restarted peer's old connections linger in TIME_WAIT on its port: they do not hold it
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+            probe.listen()
+        except socket.gaierror:
+            raise UserError(f"--host {host}: cannot resolve it to an address of this machine") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UserError(
+                    f"--port {port} is in use on {host}: another peer, bootstrap or program listens there; "
+                    "give each one on a machine its own --port (the peer profiles use 31401-31403)"
+                ) from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise UserError(
+                    f"--host {host} is not an address of this machine: listen on 0.0.0.0 and give the "
+                    "address other peers dial as --announce"
+                ) from None
+            raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}): pick another --port") from None
+    return f"{host}:{port} is free" if port else f"{host} is an address of this machine (--port 0: any port)"
 
 
 def start_dht(
@@ -147,9 +267,8 @@ def start_dht(
 
     kwargs: dict[str, Any] = {"host_maddrs": listen_maddrs(host, port), "nat_port_map": False}
     if announce:
-        if not port:
-            raise UserError("--announce needs a fixed --port: the announced address must be dialable")
         kwargs["announce_maddrs"] = listen_maddrs(announce, port, "--announce")
+    check_listen_address(host, port)
     fresh = EphemeralIdentity() if identity_path is None else None
     key_path = fresh.path if fresh is not None else identity_path
     assert key_path is not None

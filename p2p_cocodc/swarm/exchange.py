@@ -52,7 +52,7 @@ from p2p_cocodc.swarm.messages import (
     parse_message,
     payload_bytes,
 )
-from p2p_cocodc.swarm.records import PeerRecord
+from p2p_cocodc.swarm.records import NONE_YET, PeerRecord
 from p2p_cocodc.swarm.round import (
     Accuse,
     BoardPeer,
@@ -113,11 +113,13 @@ class ExchangeStats:
     bytes_sent: int = 0  # tensor bytes of every delivery, once (the butterfly's traffic)
     bytes_resent: int = 0  # the same deliveries sent again after a lost or unacknowledged copy
     bytes_served: int = 0  # averages served to peers left out of a round or recovering from it
+    bytes_received: int = 0  # tensor bytes of every message members sent here (copies and averages too)
     rounds_done: int = 0
     rounds_failed: int = 0
     messages_received: int = 0  # frames from other peers, well-formed or not
     messages_rejected: int = 0  # of those, malformed ones (logged and dropped)
     bandwidth_mbps: float = 0.0  # moving average of measured send throughput
+    last_round_s: float = NONE_YET  # how long the latest completed all-reduce took here
 
     def record_send(self, num_bytes: int, seconds: float) -> None:
         """A message of ``num_bytes`` tensor bytes has been written in ``seconds``."""
@@ -273,6 +275,7 @@ class FragmentExchange:
         started (before a resync) is waited on instead."""
         if round_id in self.waiting:
             raise RoundFailed(f"round {round_id} is already being run here")
+        started = time.monotonic()
         machine = self._machine(round_id)
         outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting[round_id] = outcome
@@ -291,6 +294,7 @@ class FragmentExchange:
             self.waiting.pop(round_id, None)
         if isinstance(result, Completed):
             self.stats.rounds_done += 1
+            self.stats.last_round_s = time.monotonic() - started
             if result.screened_out:
                 self.outliers.update(result.screened_out)
                 log.warning(
@@ -553,6 +557,7 @@ class FragmentExchange:
                 for round_id, machine in list(self.open.items()):
                     self._feed(round_id, machine, ViewChanged(self.view))
             return
+        self.stats.bytes_received += payload_bytes(message)
         round_id = message.round_id
         if isinstance(message, Ack):
             awaited = self.acks_awaited.get((sender, round_id, int(message.kind), message.index))

@@ -35,6 +35,9 @@ RECENT_PUBLISHES = 30  # the publishes that set the lifetime (about the last 30-
 MAX_LIFETIME_S = 120.0  # a longer lifetime is not believed from a record, nor written
 GIVE_UP_S = 60.0  # with no publish landing for max(this, 4 lifetimes), the peer has lost the DHT
 GIVE_UP_LIFETIMES = 4
+REGION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+MAX_REGION = 32
+NONE_YET = -1.0  # val_ppl and last_round_s of a peer that has no evaluation, or no completed sync, yet
 
 
 def peers_key(run_id: str) -> str:
@@ -69,6 +72,11 @@ class PeerRecord:
     outliers: dict[str, int] = field(default_factory=dict)  # members whose slices it left out most
     theta_step: int = -1  # the step of its latest θ̄ digest (-1: none yet; swarm/agreement.py)
     theta_sha: str = ""  # the first 16 hex digits of sha256(θ̄) at that step
+    region: str = ""  # the name operators see (--region, else the peer id's start; "": none given)
+    tokens_per_s: float = 0.0  # training throughput so far, waits for peers and evaluations left out
+    val_ppl: float = NONE_YET  # the latest evaluation of θ̄
+    bytes_received: int = 0  # tensor bytes its exchange took in from members
+    last_round_s: float = NONE_YET  # how long its latest completed sync took
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,8 +87,8 @@ class PeerRecord:
         if not isinstance(value, dict) or set(value) != {f for f in cls.__dataclass_fields__}:
             return None
         v = value
-        ints = (v["step"], v["num_shards"], v["bytes_sent"], v["joined_at"])
-        floats = (v["step_time_s"], v["bandwidth_mbps"], v["stall_s"], v["ttl_s"])
+        ints = (v["step"], v["num_shards"], v["bytes_sent"], v["joined_at"], v["bytes_received"])
+        floats = (v["step_time_s"], v["bandwidth_mbps"], v["stall_s"], v["ttl_s"], v["tokens_per_s"])
         ok = (
             v["state"] in STATES
             and all(_is_int(i) and i >= 0 for i in ints)
@@ -88,6 +96,8 @@ class PeerRecord:
             and v["resume_step"] >= -1
             and (v["shard"] is None or (_is_int(v["shard"]) and 0 <= v["shard"] < v["num_shards"]))
             and all(_is_number(x) and x >= 0 for x in floats)
+            and all(_is_number(x) and (x >= 0 or x == NONE_YET) for x in (v["val_ppl"], v["last_round_s"]))
+            and is_region(v["region"])
             and 0 < v["ttl_s"] <= MAX_LIFETIME_S
             and isinstance(v["fingerprint"], str)
             and len(v["fingerprint"]) <= 64
@@ -104,6 +114,11 @@ class PeerRecord:
             and all(_is_int(x) and x >= 0 for x in v["versions"])
         )
         return cls(**v) if ok else None
+
+
+def is_region(x: Any) -> bool:
+    """A peer's name as a record may carry it: a few letters, digits and '-_.' (or none)."""
+    return isinstance(x, str) and len(x) <= MAX_REGION and set(x) <= REGION_CHARS
 
 
 def _is_int(x: Any) -> bool:
@@ -257,14 +272,18 @@ class Board:
 
     async def peers(self) -> dict[str, PeerRecord]:
         """Live peers of the run (this one included once it has published), by peer id."""
-        found = await self._get(peers_key(self.run_id))
+        return {peer: record for peer, (record, _) in (await self.peers_written()).items()}
+
+    async def peers_written(self) -> dict[str, tuple[PeerRecord, float]]:
+        """Live peers of the run, each with when it wrote its record (DHT time, the writer's clock)."""
+        found = await self._get_expiring(peers_key(self.run_id))
         records = {}
-        for peer, value in found.items():
+        for peer, (value, expiration) in found.items():
             record = PeerRecord.from_wire(value)
             if record is None:
                 log.warning("ignoring a malformed record from peer %s", peer[:16])
             else:
-                records[peer] = record
+                records[peer] = (record, expiration - record.ttl_s)
         return records
 
     async def runs(self) -> dict[str, dict[str, Any]]:
@@ -284,11 +303,19 @@ class Board:
         }
 
     async def _get(self, key: str) -> dict[str, Any]:
+        return {sub: value for sub, (value, _) in (await self._get_expiring(key)).items()}
+
+    async def _get_expiring(self, key: str) -> dict[str, tuple[Any, float]]:
+        """{subkey: (value, its expiration time)} under ``key``."""
         future = self.dht.get(key, latest=True, return_future=True)
         found = await self._bounded(future, f"get {key}")
         if found is None or not isinstance(found.value, dict):
             return {}
-        return {str(sub): item.value for sub, item in found.value.items() if hasattr(item, "value")}
+        return {
+            str(sub): (item.value, float(item.expiration_time))
+            for sub, item in found.value.items()
+            if hasattr(item, "value")
+        }
 
     async def _bounded(self, future: Any, what: str) -> Any:
         if not self.dht.is_alive():
