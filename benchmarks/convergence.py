@@ -10,7 +10,7 @@ defaults, the rule ``--algo cocodc`` runs with no options), ``report``. ``bar-b`
 is a separate study of the issue's bar (b) that writes ``docs/convergence-bar-b.md``: damped cocodc
 at τ = 24, N = 2K and its neighbours, chosen on seeds 3 and 4, then reported on ``--seeds``.
 
-    python benchmarks/convergence.py --jobs 2                 # everything, ~2 h on 2 cores
+    python benchmarks/convergence.py --jobs 2                 # everything, ~2.5 h on 2 cores
     python benchmarks/convergence.py --stage report           # rebuild docs/ from finished runs
     python benchmarks/convergence.py --stage bar-b --jobs 2   # bar (b) study, ~35 min on 2 cores
                                                               # (after tune; runs it if missing)

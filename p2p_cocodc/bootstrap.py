@@ -7,7 +7,8 @@ them to a JSON file for scripts, and serves them over HTTP, so a peer can join w
 notice board (``/status``, with each peer's health), each peer's history (``/history``) and a page
 charting both (``/``; its files are in web/). The HTTP thread never calls the DHT: a wedged DHT process
 would hang it. It serves bytes that the main thread's event loop refreshes, where a wedged DHT costs a
-timeout and a warning.
+timeout and a warning. ``/reach/<peer id>`` (``join --check``) dials a connected peer back: the HTTP
+thread hands that dial to the event loop and waits for it a bounded time (``swarm/dial_back.py``).
 """
 
 from __future__ import annotations

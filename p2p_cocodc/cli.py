@@ -358,6 +358,14 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
         )
     failed, done = summary["rounds_failed"], summary["rounds_done"]
     skipped = f"; {failed} of {failed + done} syncs failed and were skipped on every peer" if failed else ""
+    if summary["steps"] < cfg.steps:  # it left on SIGINT or SIGTERM: a clean leave, not a finished run
+        saved = f"; θ̄ saved to {summary['saved']}" if summary.get("saved") else ""
+        click.echo(
+            f"left the swarm after step {summary['steps']} of {cfg.steps}: val ppl "
+            f"{summary['final_val_ppl']:.3f} there, {summary['bytes_sent'] / 1e6:.2f} MB sent{skipped}; "
+            f"θ̄ sha256 {summary['global_params_sha256'][:16]}{saved}"
+        )
+        return
     click.echo(  # only a run that stayed with the swarm to its end gets this line
         f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "
         f"{summary['bytes_sent'] / 1e6:.2f} MB sent, stalled {summary['stall_s']:.1f} s of "

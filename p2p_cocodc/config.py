@@ -63,8 +63,8 @@ class TrainConfig:
         "P: at most this many peers take part, joiners included; the train data is cut into P shards",
         shown="--workers",
     )
-    # model, steps and evaluation default to a quick run (simulate: about 2 minutes on 2 cores); the long
-    # study is profiles/study.toml, a swarm's real run its peers/*.toml profile
+    # steps, model and eval-every default to a quick run (simulate: about 40 s on 2 idle cores); the
+    # long study is profiles/study.toml, a swarm's real run its peers/*.toml profile
     steps: int = _opt(192, "inner steps T per replica")
     inner_steps: int = _opt(48, "H: inner steps between two syncs of the same fragment")
     fragments: int = _opt(4, "K: number of fragments (units: embedding, each block, final norm)")

@@ -29,7 +29,7 @@ from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, PreparedResult, Strategy
 from p2p_cocodc.checkpoint import Checkpoint, CheckpointWriter, committed, read_checkpoint
 from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.devices import HostCopy, peak_memory_bytes
+from p2p_cocodc.devices import HostCopy, peak_memory_bytes, resolve_device
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.hf import model_identity
 from p2p_cocodc.metrics import RunLog, params_sha256
@@ -206,10 +206,14 @@ class Peer:
         metrics: PeerMetrics | None = None,
     ) -> None:
         opts.check_shard(cfg.data_shards)
-        # before any slow work: key, certificate and identity files checked
+        # before any slow work: key, certificate and identity files and the device checked (this
+        # machine's faults first), then the bootstrap asked
         self.membership = Membership.from_options(
             opts.swarm_key_file, opts.owner, opts.certificate, opts.identity
         )
+        if region is None:  # a region's ranks settled theirs (``Region.start``)
+            resolve_device(cfg.device)
+        self.initial_peers = parse_bootstrap(opts.bootstrap)
         self.cfg = cfg
         self.opts = opts
         self.region = region  # rank 0 of a region of several processes (torchrun): ``region.py``
@@ -284,7 +288,6 @@ class Peer:
         self.run_log = log_file
         if self.opts.identity is not None:
             check_identity(self.opts.identity)
-        initial = await asyncio.to_thread(parse_bootstrap, self.opts.bootstrap)
         if self.membership.is_open:
             log.warning(
                 "run %r is open: any peer that reaches the bootstrap may join it and send updates; to admit "
@@ -294,7 +297,7 @@ class Peer:
             )
         # Created on the main thread: the at-fork death signal is tied to the forking thread.
         dht = start_dht(
-            initial,
+            self.initial_peers,
             self.opts.host,
             self.opts.port,
             self.opts.announce,

@@ -263,7 +263,12 @@ def follow_region(cfg: TrainConfig, region: Region) -> None:
     """Ranks 1 … G-1: build the region's replica and train it as rank 0 orders (``Region.follow``)."""
     setup = TrainingSetup(cfg, region.placement)
     trainer = setup.trainer()
-    region.wrap(trainer)
+    try:
+        region.wrap(trainer)  # a collective: rank 0 joins it once its peer is set up
+    except (RuntimeError, dist.DistBackendError):  # it stopped before (a dead bootstrap, a bad file)
+        raise UserError(
+            f"rank 0 of this region failed before training (its output says why); rank {region.rank} stops"
+        ) from None
     shards: dict[int, Shard] = {}
 
     def batch(shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -207,7 +207,10 @@ def captured_rounds(monkeypatch: pytest.MonkeyPatch, cfg: TrainConfig) -> list[l
 def test_honest_outer_gradients_are_never_screened_and_the_mean_is_unchanged(
     monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:
-    rounds = captured_rounds(monkeypatch, replace(SIM, codec=codec))
+    # the undamped rule: a damped merge (streaming's α, cocodc's default --dc-alpha 0.5) leaves
+    # anti-correlated residues in honest outer gradients, so their cosine margin is thin early in a
+    # run this small (docs/algorithms.md measures both; the docs' table has the damped figures)
+    rounds = captured_rounds(monkeypatch, replace(SIM, codec=codec, dc_alpha=0.0, dc_lambda=0.5))
     assert len(rounds) == 8  # 32 steps, H = 8, K = 2
     c = CODECS[codec]
     default = Aggregation()

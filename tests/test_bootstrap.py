@@ -86,7 +86,7 @@ class Bootstrap:
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read())
 
-    def terminate(self, group: bool = False, timeout: float = 10.0) -> tuple[int, str, str]:
+    def terminate(self, group: bool = False, timeout: float = 30.0) -> tuple[int, str, str]:
         """SIGTERM to the main process (``kill PID``) or to its whole group, as systemd's
         KillMode=control-group sends it, DHT process and p2pd included."""
         assert self.proc is not None
@@ -213,7 +213,7 @@ def test_sigterm_exits_cleanly_and_a_restart_keeps_the_peer_id(boot: Bootstrap) 
     start = time.monotonic()
     code, out, err = boot.terminate()
     assert code == 0, err
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # a bound on a hang, not a speed target (loaded CI machines)
     assert f"p2p-cocodc join --bootstrap 127.0.0.1:{boot.status_port}" in out
     assert f"p2p-cocodc join --bootstrap {before['maddrs'][0]}" in out
     assert "Traceback" not in err

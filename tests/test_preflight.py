@@ -210,3 +210,14 @@ def test_the_dial_back_takes_only_connected_peer_ids_and_is_rate_limited(boot: t
     # two dial-backs start at least MIN_INTERVAL_S apart: the second is refused, or came that much later
     assert code == 429 or time.monotonic() - sent >= MIN_INTERVAL_S, (code, answer)
     assert code in (200, 429)
+
+
+def test_join_asks_the_bootstrap_before_it_builds_the_model() -> None:
+    """A dead --bootstrap fails in a second, not after the model's and data's set-up: the model here
+    would fail that set-up with another error."""
+    from p2p_cocodc.peer import Peer
+
+    nobody = f"127.0.0.1:{free_port()}"
+    cfg = build_config({}, {"model": "tests.plugin_models:missing_unit", "tokenizer": "byte"})
+    with pytest.raises(UserError, match=f"--bootstrap {nobody}: no p2p-cocodc bootstrap answers"):
+        Peer(cfg, swarm_options({}, {"bootstrap": nobody}))
