@@ -67,7 +67,8 @@ def run_demo(peers: int, training: dict[str, Any], workdir: str | None, quiet: b
             join_args = _join_args(options, peers, status_port) + ["--swarm-key-file", str(key)]
             for i in range(peers):
                 out = work / f"peer{i}.jsonl"
-                args = ["join", *join_args, "--shard", f"{i}/{peers}", "--out", str(out)]
+                args = ["join", *join_args, "--shard", f"{i}/{peers}", "--region", f"peer{i}"]
+                args += ["--out", str(out)]
                 swarm.append(procs.spawn(f"peer {i}", args, work / f"peer{i}.log", out))
             _watch(procs, swarm, boot, status_port, cfg.steps, cfg.batch_size * cfg.seq_len, quiet)
         finally:
