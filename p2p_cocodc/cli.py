@@ -320,8 +320,9 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
         sys.exit(preflight(cfg, opts))
     from p2p_cocodc.swarm.dht import check_listen_address
 
-    check_listen_address(opts.host, opts.port)  # a taken --port now, not after the model's set-up
     region = Region.from_env()  # under torchrun: this region's replica is trained by several processes
+    if region is None or region.leads:  # the process that will listen: a taken --port now, not after set-up
+        check_listen_address(opts.host, opts.port)
     if region is None:
         metrics = _peer_metrics(opts)
         summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg), metrics=metrics), cfg, quiet)
