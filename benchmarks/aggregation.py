@@ -36,15 +36,15 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import p2p_cocodc.algorithms.aggregation as aggregation_module  # noqa: E402
-import p2p_cocodc.sim  # noqa: E402
+import p2p_cocodc.run.simulator  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
 from p2p_cocodc.algorithms.aggregation import Aggregation  # noqa: E402
-from p2p_cocodc.butterfly import butterfly_mean, reduce_slice  # noqa: E402
-from p2p_cocodc.codecs import CODECS, mean_in_order  # noqa: E402
-from p2p_cocodc.config import TrainConfig  # noqa: E402
-from p2p_cocodc.metrics import RunLog  # noqa: E402
+from p2p_cocodc.algorithms.butterfly import butterfly_mean, reduce_slice  # noqa: E402
+from p2p_cocodc.algorithms.codecs import CODECS, mean_in_order  # noqa: E402
+from p2p_cocodc.config.train import TrainConfig  # noqa: E402
 from p2p_cocodc.names import AGGREGATES  # noqa: E402
-from p2p_cocodc.sim import Simulation  # noqa: E402
+from p2p_cocodc.run.records import RunLog  # noqa: E402
+from p2p_cocodc.run.simulator import Simulation  # noqa: E402
 
 RUNS = ROOT / "runs" / "aggregation"
 ATTACKS = {"none": 1.0, "x10": 10.0, "sign-flip": -1.0}
@@ -67,13 +67,13 @@ def simulate(cfg: TrainConfig, factor: float) -> dict:
         similarities.append(found)
         return found
 
-    p2p_cocodc.sim.butterfly_mean = attacked
+    p2p_cocodc.run.simulator.butterfly_mean = attacked
     aggregation_module.similarity = recorded
     try:
         sim = Simulation(cfg.validate())
         summary = sim.run(RunLog(None))
     finally:
-        p2p_cocodc.sim.butterfly_mean = butterfly_mean
+        p2p_cocodc.run.simulator.butterfly_mean = butterfly_mean
         aggregation_module.similarity = similarity
     rounds = sum(1 for r in sim.records if r["kind"] == "exclusion")
     return {"ppl": summary["final_val_ppl"], "rounds_with_exclusions": rounds, "similarities": similarities}

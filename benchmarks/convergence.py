@@ -28,8 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from p2p_cocodc.compare import crossing, load_run
-from p2p_cocodc.config import FIELDS
+from p2p_cocodc.config.train import FIELDS
+from p2p_cocodc.ops.compare import crossing, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 H, K = 48, 4
@@ -342,12 +342,12 @@ def report(rows: dict[str, list[Path]], tuned: dict, seeds: list[int], command: 
             + ", ".join(f"{k}: {v:.3f}" for k, v in tuned["tuning"].items())
             + ".",
             "",
-            "cocodc rows: \"defaults\" is what `--algo cocodc` runs with no rule options, "
+            'cocodc rows: "defaults" is what `--algo cocodc` runs with no rule options, '
             f"`--dc-lambda {COCODC_DEFAULTS['dc-lambda']} --dc-alpha {COCODC_DEFAULTS['dc-alpha']}` (the "
             "damped rule chosen in [convergence-bar-b.md](convergence-bar-b.md) on seeds other than "
             "these); the other rows use the authors' rule, undamped (`--dc-alpha 0`), with the "
             f"tuned λ0 = {tuned['dc_lambda']} (the defaults until then), but where they say otherwise: "
-            f"\"{damped}\" is `--dc-alpha 0.5` with it.",
+            f'"{damped}" is `--dc-alpha 0.5` with it.',
             "",
             "Staleness cost = final ppl ÷ blocking diloco's final ppl − 1 (means over seeds). The last "
             "column: for each seed, the steps cocodc needs to reach streaming's final perplexity at the "

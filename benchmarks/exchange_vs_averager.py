@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from p2p_cocodc.codecs import get_codec
+from p2p_cocodc.algorithms.codecs import get_codec
 from p2p_cocodc.swarm.dht import start_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.records import PeerRecord

@@ -46,9 +46,9 @@ def plain_loop(options: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from p2p_cocodc.config import build_config
-    from p2p_cocodc.devices import peak_memory_bytes
-    from p2p_cocodc.training import TrainingSetup
+    from p2p_cocodc.algorithms.devices import peak_memory_bytes
+    from p2p_cocodc.config.train import build_config
+    from p2p_cocodc.run.setup import TrainingSetup
 
     cfg = build_config({}, options)
     setup = TrainingSetup(cfg)

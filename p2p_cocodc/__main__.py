@@ -1,3 +1,3 @@
-from p2p_cocodc.cli import main
+from p2p_cocodc.cli.main import main
 
 main()

@@ -57,7 +57,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown modes {sorted(unknown)}: use {', '.join(MODES)}")
     corrupt(modes)
-    from p2p_cocodc.cli import main as cli_main
+    from p2p_cocodc.cli.main import main as cli_main
 
     sys.argv = ["p2p-cocodc", *sys.argv[2:]]
     cli_main()

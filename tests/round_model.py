@@ -19,8 +19,8 @@ from itertools import count
 
 import torch
 
-from p2p_cocodc.butterfly import butterfly_mean
-from p2p_cocodc.codecs import get_codec
+from p2p_cocodc.algorithms.butterfly import butterfly_mean
+from p2p_cocodc.algorithms.codecs import get_codec
 from p2p_cocodc.swarm.round import (
     BoardPeer,
     Completed,

@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-import p2p_cocodc.sim
+import p2p_cocodc.run.simulator
 from p2p_cocodc.algorithms.aggregation import Aggregation, aggregate, combine, screen, similarity
-from p2p_cocodc.butterfly import butterfly_mean, reduce_slice, slice_bounds
-from p2p_cocodc.codecs import CODECS, mean_in_order
-from p2p_cocodc.config import TrainConfig, coerce
+from p2p_cocodc.algorithms.butterfly import butterfly_mean, reduce_slice, slice_bounds
+from p2p_cocodc.algorithms.codecs import CODECS, mean_in_order
+from p2p_cocodc.config.train import TrainConfig, coerce
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog, read_records
 from p2p_cocodc.names import AGGREGATES
-from p2p_cocodc.sim import Simulation
+from p2p_cocodc.run.records import RunLog, read_records
+from p2p_cocodc.run.simulator import Simulation
 from tests.test_algorithms import SMALL
 
 RULES = [Aggregation(rule=rule) for rule in AGGREGATES]
@@ -192,13 +192,13 @@ def test_the_statistics_do_not_depend_on_the_thread_count() -> None:
 
 def captured_rounds(monkeypatch: pytest.MonkeyPatch, cfg: TrainConfig) -> list[list[torch.Tensor]]:
     rounds: list[list[torch.Tensor]] = []
-    inner = p2p_cocodc.sim.butterfly_mean
+    inner = p2p_cocodc.run.simulator.butterfly_mean
 
     def capture(vectors, codec, aggregation):
         rounds.append([v.clone() for v in vectors])
         return inner(vectors, codec, aggregation)
 
-    monkeypatch.setattr(p2p_cocodc.sim, "butterfly_mean", capture)
+    monkeypatch.setattr(p2p_cocodc.run.simulator, "butterfly_mean", capture)
     Simulation(cfg.validate()).run(RunLog(None))
     return rounds
 

@@ -14,11 +14,11 @@ from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
 from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, paced_spacing
 from p2p_cocodc.algorithms.strategies import Strategy, make_strategy
-from p2p_cocodc.config import TrainConfig
+from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog, params_sha256
-from p2p_cocodc.model import build_model
-from p2p_cocodc.sim import Simulation
+from p2p_cocodc.models.build import build_model
+from p2p_cocodc.run.records import RunLog, params_sha256
+from p2p_cocodc.run.simulator import Simulation
 
 SMALL = TrainConfig(
     model="nano",

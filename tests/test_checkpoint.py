@@ -17,7 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from p2p_cocodc.checkpoint import (
+from p2p_cocodc.cli.main import check_output_paths
+from p2p_cocodc.config.train import TrainConfig
+from p2p_cocodc.errors import Stopped, UserError
+from p2p_cocodc.run.checkpoint import (
     KEEP,
     CheckpointWriter,
     atomic_write,
@@ -25,11 +28,8 @@ from p2p_cocodc.checkpoint import (
     find_resume_point,
     read_checkpoint,
 )
-from p2p_cocodc.cli import check_output_paths
-from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.errors import Stopped, UserError
-from p2p_cocodc.metrics import RunLog
-from p2p_cocodc.sim import Simulation
+from p2p_cocodc.run.records import RunLog
+from p2p_cocodc.run.simulator import Simulation
 from tests.swarm_procs import records, run_cli, sigkill_like_a_crash, spawn, wait_for
 from tests.test_cli import assert_one_error_line
 from tests.tiny_options import TINY_MODEL, TINY_SYNCS
@@ -119,9 +119,9 @@ def test_resume_in_process_is_bit_exact(tmp_path: Path, case: str) -> None:
 
 
 def test_checkpoint_options_do_not_change_the_peer_fingerprint() -> None:
-    from p2p_cocodc.peer import shared_options
+    from p2p_cocodc.peer.node import shared_options
+    from p2p_cocodc.run.setup import TrainingSetup
     from p2p_cocodc.swarm.run_options import fingerprint
-    from p2p_cocodc.training import TrainingSetup
 
     with_options = replace(BASE, checkpoint_dir="ck", checkpoint_every=4, resume=True, out="o", save="s")
     prints = [fingerprint(shared_options(TrainingSetup(c), c.algo_settings())) for c in (BASE, with_options)]

@@ -180,9 +180,9 @@ def test_hash_is_sha256_of_global_params_as_float32_le(runs: dict[str, Any]) -> 
     """Recompute the fingerprint by hand from an in-process run of the same config."""
     import torch
 
-    from p2p_cocodc.config import build_config
-    from p2p_cocodc.metrics import RunLog
-    from p2p_cocodc.sim import Simulation
+    from p2p_cocodc.config.train import build_config
+    from p2p_cocodc.run.records import RunLog
+    from p2p_cocodc.run.simulator import Simulation
 
     summary = records(runs["streaming"][1])[-1]
     cfg = build_config({}, {**summary["config"], "out": None})
@@ -356,8 +356,8 @@ def test_click_usage_error_has_no_traceback(bad_runs: dict[str, Any]) -> None:
 
 
 def test_every_config_field_is_an_option() -> None:
-    from p2p_cocodc.cli import simulate as command
-    from p2p_cocodc.config import FIELDS
+    from p2p_cocodc.cli.main import simulate as command
+    from p2p_cocodc.config.train import FIELDS
 
     options = {p.name: p.opts for p in command.params}
     for name in FIELDS:
@@ -370,15 +370,15 @@ def test_every_config_field_is_an_option() -> None:
 
 def test_out_that_is_a_folder(tmp_path: Path) -> None:
     from p2p_cocodc.errors import UserError
-    from p2p_cocodc.metrics import RunLog
+    from p2p_cocodc.run.records import RunLog
 
     with pytest.raises(UserError, match="--out"):
         RunLog(str(tmp_path))
 
 
 def test_compare_records_without_fields(tmp_path: Path) -> None:
-    from p2p_cocodc.compare import compare_runs
     from p2p_cocodc.errors import UserError
+    from p2p_cocodc.ops.compare import compare_runs
 
     bad = tmp_path / "partial.jsonl"
     bad.write_text('{"kind": "eval", "step": 0}\n{"kind": "summary"}\n', encoding="utf-8")
@@ -387,7 +387,7 @@ def test_compare_records_without_fields(tmp_path: Path) -> None:
 
 
 def test_compare_runs_with_the_same_file_name(runs: dict[str, Any], tmp_path: Path) -> None:
-    from p2p_cocodc.compare import compare_runs
+    from p2p_cocodc.ops.compare import compare_runs
 
     paths = []
     for sub, algo in (("a", "diloco"), ("b", "cocodc")):
@@ -399,7 +399,7 @@ def test_compare_runs_with_the_same_file_name(runs: dict[str, Any], tmp_path: Pa
 
 
 def test_plot_is_written_where_asked(runs: dict[str, Any], tmp_path: Path) -> None:
-    from p2p_cocodc.compare import compare_runs
+    from p2p_cocodc.ops.compare import compare_runs
 
     plot = tmp_path / "ppl"
     assert f"plot written to {plot}" in compare_runs([str(runs["ddp"][1])], None, str(plot))
@@ -408,11 +408,11 @@ def test_plot_is_written_where_asked(runs: dict[str, Any], tmp_path: Path) -> No
 
 def test_help_lists_every_choice_without_importing_torch(env: dict[str, str]) -> None:
     """`--help` must answer at once: the CLI module and its option choices do not pull in torch."""
-    from p2p_cocodc.codecs import CODECS
+    from p2p_cocodc.algorithms.codecs import CODECS
     from p2p_cocodc.names import CODEC_NAMES
 
     assert tuple(CODECS) == CODEC_NAMES
-    probe = "import sys, p2p_cocodc.cli; print('torch' in sys.modules)"
+    probe = "import sys, p2p_cocodc.cli.main; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
     help_text = subprocess.run(
@@ -428,7 +428,7 @@ def command_helps() -> dict[str, str]:
     """Every command's --help, in-process (click's runner: no subprocess per command)."""
     from click.testing import CliRunner
 
-    from p2p_cocodc.cli import cli as group
+    from p2p_cocodc.cli.main import cli as group
 
     runner = CliRunner()
     helps = {}
@@ -455,7 +455,7 @@ def test_every_command_states_defaults_once_and_names_types_alike() -> None:
     assert "--workers" in helps["demo"] and "--peers " not in helps["demo"]  # one name everywhere
     from click.testing import CliRunner
 
-    from p2p_cocodc.cli import cli as group
+    from p2p_cocodc.cli.main import cli as group
 
     assert "P2P_COCODC_<COMMAND>_<OPTION>" in " ".join(CliRunner().invoke(group, ["-h"]).output.split())
 

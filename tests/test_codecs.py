@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 
-from p2p_cocodc.codecs import CODECS, Codec, decode_mean, get_codec
+from p2p_cocodc.algorithms.codecs import CODECS, Codec, decode_mean, get_codec
 from p2p_cocodc.errors import UserError
 
 SIZES = [0, 1, 63, 64, 65, 255, 256, 257, 10_000]

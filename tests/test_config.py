@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from p2p_cocodc.algorithms.strategies import AlgoSettings
-from p2p_cocodc.config import AUTO, TrainConfig, build_config, coerce, load_toml
+from p2p_cocodc.config.train import AUTO, TrainConfig, build_config, coerce, load_toml
 from p2p_cocodc.errors import UserError
 
 # ---- defaults ----
@@ -25,8 +25,8 @@ def test_defaults_validate() -> None:
 def test_simulate_with_no_options_is_the_quick_run_and_the_study_is_a_profile() -> None:
     """`p2p-cocodc simulate` alone, parsed as the command line parses it: the micro model, 4 workers,
     192 steps (minutes on 2 cores); profiles/study.toml is the long study the README names."""
-    from p2p_cocodc.cli import _config_from, simulate
-    from p2p_cocodc.config import FIELDS
+    from p2p_cocodc.cli.main import _config_from, simulate
+    from p2p_cocodc.config.train import FIELDS
 
     params = simulate.make_context("simulate", []).params
     quick = _config_from(params["config_path"], {k: v for k, v in params.items() if k in FIELDS})

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_cocodc.data import (
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.models.data import (
     DOC_SEPARATOR,
     EMBEDDED_CORPUS,
     SHIPPED_BPE,
@@ -19,7 +20,6 @@ from p2p_cocodc.data import (
     train_bpe,
     validation_batches,
 )
-from p2p_cocodc.errors import UserError
 
 
 @pytest.fixture(scope="module")

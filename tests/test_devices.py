@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from p2p_cocodc.algorithms.devices import Placement, resolve_device
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
 from p2p_cocodc.algorithms.strategies import Strategy
-from p2p_cocodc.config import TrainConfig, build_config
-from p2p_cocodc.devices import Placement, resolve_device
+from p2p_cocodc.config.train import TrainConfig, build_config
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog, params_sha256
-from p2p_cocodc.sim import Simulation
-from p2p_cocodc.training import TrainingSetup
+from p2p_cocodc.run.records import RunLog, params_sha256
+from p2p_cocodc.run.setup import TrainingSetup
+from p2p_cocodc.run.simulator import Simulation
 from tests.swarm_procs import end_group, records, run_cli, spawn, start_bootstrap
 from tests.test_algorithms import SMALL as ALGORITHMS_SMALL
 from tests.tiny_options import TINY_MODEL, TWO_PEERS

@@ -13,8 +13,8 @@ import msgpack
 import pytest
 import torch
 
-from p2p_cocodc.butterfly import slice_bounds
-from p2p_cocodc.codecs import CODECS, get_codec
+from p2p_cocodc.algorithms.butterfly import slice_bounds
+from p2p_cocodc.algorithms.codecs import CODECS, get_codec
 from p2p_cocodc.swarm import exchange as exchange_module
 from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
 from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, parse_members, parse_message

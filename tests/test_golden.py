@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.metrics import RunLog
-from p2p_cocodc.sim import Simulation
+from p2p_cocodc.config.train import TrainConfig
+from p2p_cocodc.run.records import RunLog
+from p2p_cocodc.run.simulator import Simulation
 
 GOLDEN = Path(__file__).parent / "golden" / "traces.json"
 BASE = TrainConfig(

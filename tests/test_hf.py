@@ -21,8 +21,8 @@ import pytest
 import torch
 import transformers  # the hf extra, which the test extra includes
 
-from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.data import SHIPPED_BPE, BpeTokenizer, load_corpus, tokenize_corpus
+from p2p_cocodc.config.train import TrainConfig
+from p2p_cocodc.models.data import SHIPPED_BPE, BpeTokenizer, load_corpus, tokenize_corpus
 from tests.swarm_procs import end_group, records, run_cli, spawn, start_bootstrap
 from tests.test_cli import assert_one_error_line
 
@@ -129,7 +129,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def cli(env: dict[str, str], *args: Any, prelude: str = "pass") -> subprocess.CompletedProcess[str]:
     """``p2p-cocodc ARGS`` in a fresh interpreter that first runs ``prelude``."""
-    code = f"import sys; {prelude}; from p2p_cocodc.cli import main; sys.argv[0] = 'p2p-cocodc'; main()"
+    code = f"import sys; {prelude}; from p2p_cocodc.cli.main import main; sys.argv[0] = 'p2p-cocodc'; main()"
     return subprocess.run(
         [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=180, env=env
     )
@@ -177,7 +177,7 @@ def config(models: dict[str, Path], model: str, **changes: Any) -> TrainConfig:
 def test_fragment_units_cover_every_parameter_once_in_layer_order(
     models: dict[str, Path], model: str, embeddings: list[str], layers: str, last: list[str]
 ) -> None:
-    from p2p_cocodc.model import build_model
+    from p2p_cocodc.models.build import build_model
 
     torch.manual_seed(0)
     built = build_model(f"hf:{models[model]}", 4096, 32)
@@ -194,7 +194,7 @@ def test_fragment_units_cover_every_parameter_once_in_layer_order(
 
 
 def test_a_tied_head_is_in_state_dicts_once_and_loads_back(models: dict[str, Path]) -> None:
-    from p2p_cocodc.model import build_model
+    from p2p_cocodc.models.build import build_model
 
     torch.manual_seed(0)
     model = build_model(f"hf:{models['llama-tied']}", 4096, 32)
@@ -209,9 +209,9 @@ def test_a_tied_head_is_in_state_dicts_once_and_loads_back(models: dict[str, Pat
 def test_the_fingerprint_names_the_model_by_content_not_path(
     models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from p2p_cocodc.peer import shared_options
+    from p2p_cocodc.peer.node import shared_options
+    from p2p_cocodc.run.setup import TrainingSetup
     from p2p_cocodc.swarm.run_options import fingerprint
-    from p2p_cocodc.training import TrainingSetup
 
     copy = tmp_path / "elsewhere" / "same-model"
     shutil.copytree(models["llama-tied"], copy)
@@ -231,7 +231,7 @@ def test_hf_tokens_are_cached_apart_from_bpe4096(
     models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The shipped BPE as an hf tokenizer encodes alike, but gets its own cache file."""
-    from p2p_cocodc.hf import hf_tokenizer
+    from p2p_cocodc.models.hf import hf_tokenizer
 
     monkeypatch.setenv("P2P_COCODC_CACHE", str(tmp_path / "cache"))
     cfg = config(models, "llama")
@@ -266,8 +266,8 @@ def test_save_writes_a_folder_transformers_loads(
     the folder's tokenizer is the run's."""
     import json
 
-    from p2p_cocodc.metrics import RunLog
-    from p2p_cocodc.sim import Simulation
+    from p2p_cocodc.run.records import RunLog
+    from p2p_cocodc.run.simulator import Simulation
 
     folder = tmp_path / "out" / "saved"
     monkeypatch.setenv("P2P_COCODC_CACHE", str(tmp_path / "cache"))
@@ -348,7 +348,10 @@ def test_without_transformers_an_hf_model_says_how_to_install_it(bad_runs: dict[
 
 
 def test_importing_the_package_never_needs_transformers() -> None:
-    modules = "p2p_cocodc, p2p_cocodc.cli, p2p_cocodc.hf, p2p_cocodc.model, p2p_cocodc.sim, p2p_cocodc.peer"
+    modules = ", ".join(
+        ["p2p_cocodc", "p2p_cocodc.cli.main", "p2p_cocodc.models.hf", "p2p_cocodc.models.gpt"]
+        + ["p2p_cocodc.run.simulator", "p2p_cocodc.peer.node"]
+    )
     code = f"import sys; {NO_TRANSFORMERS}; import {modules}; print('ok')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "ok", proc.stderr

@@ -7,11 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from p2p_cocodc.config import TrainConfig
+from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog
-from p2p_cocodc.model import PRESETS, build_model, count_parameters
-from p2p_cocodc.sim import Simulation
+from p2p_cocodc.models.build import build_model, count_parameters
+from p2p_cocodc.models.gpt import PRESETS
+from p2p_cocodc.run.records import RunLog
+from p2p_cocodc.run.simulator import Simulation
 
 
 @pytest.mark.parametrize("preset,millions", [("tiny", 1.3), ("small", 4.2), ("base", 15.7)])

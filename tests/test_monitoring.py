@@ -20,12 +20,12 @@ import uvloop
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2p_cocodc.bootstrap import Snapshot
-from p2p_cocodc.config import build_config, load_toml
+from p2p_cocodc.config.train import build_config, load_toml
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog
-from p2p_cocodc.monitoring import MAX_PEER_SERIES, BootstrapMetrics, serve_peer_metrics
-from p2p_cocodc.peer import Peer, SwarmOptions
+from p2p_cocodc.ops.bootstrap import Snapshot
+from p2p_cocodc.ops.monitoring import MAX_PEER_SERIES, BootstrapMetrics, serve_peer_metrics
+from p2p_cocodc.peer.node import Peer, SwarmOptions
+from p2p_cocodc.run.records import RunLog
 from tests.swarm_procs import (
     CLI,
     ENV,
@@ -322,7 +322,7 @@ def test_a_profile_may_list_both_sinks(tmp_path: Path) -> None:
 
 
 def test_wandb_stays_offline_without_a_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from p2p_cocodc.sinks import wandb_mode
+    from p2p_cocodc.ops.sinks import wandb_mode
 
     for name in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(name, raising=False)
@@ -351,7 +351,7 @@ def test_a_missing_package_is_one_line_naming_its_extra(tmp_path: Path) -> None:
 
 
 def test_a_profile_may_hold_the_metrics_port() -> None:
-    from p2p_cocodc.peer import swarm_options
+    from p2p_cocodc.peer.node import swarm_options
 
     opts = swarm_options({"bootstrap": "127.0.0.1:31338", "metrics-port": 9101}, {})
     assert opts.metrics_port == 9101

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from p2p_cocodc.config import build_config
+from p2p_cocodc.config.train import build_config
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.peer import swarm_options
-from p2p_cocodc.preflight import run_checks
+from p2p_cocodc.ops.preflight import run_checks
+from p2p_cocodc.peer.node import swarm_options
 from p2p_cocodc.swarm.dht import (
     STATUS_PORT,
     find_bootstrap,
@@ -215,7 +215,7 @@ def test_the_dial_back_takes_only_connected_peer_ids_and_is_rate_limited(boot: t
 def test_join_asks_the_bootstrap_before_it_builds_the_model() -> None:
     """A dead --bootstrap fails in a second, not after the model's and data's set-up: the model here
     would fail that set-up with another error."""
-    from p2p_cocodc.peer import Peer
+    from p2p_cocodc.peer.node import Peer
 
     nobody = f"127.0.0.1:{free_port()}"
     cfg = build_config({}, {"model": "tests.plugin_models:missing_unit", "tokenizer": "byte"})

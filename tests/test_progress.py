@@ -8,7 +8,7 @@ import logging
 import re
 from pathlib import Path
 
-from p2p_cocodc.progress import Progress, progress_bars
+from p2p_cocodc.ops.progress import Progress, progress_bars
 from tests.swarm_procs import end_group, spawn, start_bootstrap
 from tests.tiny_options import TWO_PEERS
 

@@ -44,9 +44,7 @@ def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path) -> N
     procs: list[subprocess.Popen] = []
     try:
         common = ["join", "--bootstrap", boot.host_port, *OPTIONS, "--run-id", "region", "--pace", "fixed"]
-        region = torchrun(
-            [*common, "--shard", "0/2", "--out", "a.jsonl", "--save", "a-model"], free_port()
-        )
+        region = torchrun([*common, "--shard", "0/2", "--out", "a.jsonl", "--save", "a-model"], free_port())
         log = open(tmp_path / "a.log", "w")  # noqa: SIM115 - the process owns it until it ends
         procs.append(
             subprocess.Popen(
@@ -54,9 +52,7 @@ def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path) -> N
             )
         )
         procs.append(
-            spawn(
-                [*common, "--shard", "1/2", "--out", "b.jsonl", "--save", "b-model"], tmp_path, "b.log"
-            )
+            spawn([*common, "--shard", "1/2", "--out", "b.jsonl", "--save", "b-model"], tmp_path, "b.log")
         )
         sim = run_cli(["simulate", *OPTIONS, "--save", "sim-model"], tmp_path, timeout=120)
         assert sim.returncode == 0, sim.stderr
@@ -129,10 +125,10 @@ def _rank(rank: int, port: int, diverge: bool, results: Any) -> None:
     new trainer state, the third a changed parameter), then the end; rank 1 follows."""
     import os
 
-    from p2p_cocodc.config import build_config
+    from p2p_cocodc.config.train import build_config
     from p2p_cocodc.errors import UserError
-    from p2p_cocodc.region import Region
-    from p2p_cocodc.training import TrainingSetup
+    from p2p_cocodc.peer.region import Region
+    from p2p_cocodc.run.setup import TrainingSetup
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
     cfg = build_config(

@@ -13,10 +13,10 @@ import pytest
 
 from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.strategies import Strategy
-from p2p_cocodc.config import build_config
+from p2p_cocodc.config.train import build_config
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import RunLog, params_sha256
-from p2p_cocodc.sim import Simulation
+from p2p_cocodc.run.records import RunLog, params_sha256
+from p2p_cocodc.run.simulator import Simulation
 
 OPTIONS = {
     "algo": "streaming",

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from p2p_cocodc.butterfly import slice_sizes
-from p2p_cocodc.codecs import get_codec
+from p2p_cocodc.algorithms.butterfly import slice_sizes
+from p2p_cocodc.algorithms.codecs import get_codec
 from p2p_cocodc.swarm.messages import Code, Group, Message, Part
 from p2p_cocodc.swarm.round import (
     Accuse,

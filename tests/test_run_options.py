@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.peer import shared_options
+from p2p_cocodc.config.train import TrainConfig
+from p2p_cocodc.peer.node import shared_options
+from p2p_cocodc.run.setup import TrainingSetup
 from p2p_cocodc.swarm.run_options import SHOWN_CHARS, differences, fingerprint, option_view
-from p2p_cocodc.training import TrainingSetup
 
 BASE = TrainConfig(
     model="nano", tokenizer="byte", seq_len=32, batch_size=4, workers=2, steps=48, inner_steps=8, fragments=2

@@ -1,5 +1,5 @@
 """``--save DIR`` and the model in it: ``p2p-cocodc generate`` and ``p2p-cocodc eval`` on real
-runs of the CLI (p2p_cocodc/saved_model.py, p2p_cocodc/inference.py).
+runs of the CLI (p2p_cocodc/models/saved.py, p2p_cocodc/models/inference.py).
 
 One tiny simulated run is saved once for the whole file; tests that change a folder work on a copy.
 """
@@ -23,15 +23,15 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from p2p_cocodc.cli import check_output_paths
-from p2p_cocodc.cli import cli as cli_group
-from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.data import load_corpus
+from p2p_cocodc.cli.main import check_output_paths
+from p2p_cocodc.cli.main import cli as cli_group
+from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.inference import generate
-from p2p_cocodc.metrics import params_sha256, perplexity
-from p2p_cocodc.model import build_model
-from p2p_cocodc.saved_model import load_saved
+from p2p_cocodc.models.build import build_model
+from p2p_cocodc.models.data import load_corpus
+from p2p_cocodc.models.inference import generate
+from p2p_cocodc.models.saved import load_saved
+from p2p_cocodc.run.records import params_sha256, perplexity
 from tests.swarm_procs import records
 from tests.test_cli import assert_one_error_line
 from tests.tiny_options import TINY_MODEL, TINY_SYNCS
@@ -112,8 +112,8 @@ def test_the_folder_holds_theta_with_its_model_tokenizer_and_facts(
 
 def test_a_bpe_tokenizer_is_saved_with_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bpe4096 trained on the run's own text: the folder's tokenizer.json encodes as the run did."""
-    from p2p_cocodc.metrics import RunLog
-    from p2p_cocodc.sim import Simulation
+    from p2p_cocodc.run.records import RunLog
+    from p2p_cocodc.run.simulator import Simulation
 
     monkeypatch.setenv("P2P_COCODC_CACHE", str(tmp_path / "cache"))
     text = tmp_path / "speeches.txt"
@@ -248,8 +248,8 @@ def test_an_empty_prompt_is_refused(saved: tuple[Path, dict[str, Any]]) -> None:
 def test_an_hf_model_is_saved_then_generates_and_evaluates(
     env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from p2p_cocodc.metrics import RunLog
-    from p2p_cocodc.sim import Simulation
+    from p2p_cocodc.run.records import RunLog
+    from p2p_cocodc.run.simulator import Simulation
     from tests.test_hf import llama_config
     from tests.test_hf import save_model as save_hf_model
 

@@ -502,7 +502,7 @@ def test_sigterm_stops_a_peer_cleanly(tmp_path: Path) -> None:
 
 def test_global_parameters_file_loads_into_the_model(tmp_path: Path) -> None:
     """--save writes θ̄ in a folder whose model.safetensors torch loads back into the preset model."""
-    from p2p_cocodc.model import build_model
+    from p2p_cocodc.models.build import build_model
 
     done = run_cli(["simulate", *TINY, "--steps", "8", "--save", "theta"], tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr

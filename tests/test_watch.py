@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
+from p2p_cocodc.ops.watch import MAX_POINTS, MAX_SERIES, POINT_FIELDS, History, Series, health
 from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord
-from p2p_cocodc.watch import MAX_POINTS, MAX_SERIES, POINT_FIELDS, History, Series, health
 from tests.swarm_procs import CLI, ENV, end_group, free_port, run_cli, start_bootstrap, wait_for
 
 RUN = "watch"

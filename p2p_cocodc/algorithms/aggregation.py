@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2p_cocodc.codecs import mean_in_order
+from p2p_cocodc.algorithms.codecs import mean_in_order
 
 CHUNK = 4096  # values summed together before their sums are summed: a fixed order on any thread count
 

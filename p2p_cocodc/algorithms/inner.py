@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from p2p_cocodc.algorithms.devices import Placement
 from p2p_cocodc.algorithms.state import expect_tensor
-from p2p_cocodc.devices import Placement
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_per_tensor
+from p2p_cocodc.algorithms.devices import DeviceCopy, Placement
 from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings, OuterStep
 from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, Schedule
 from p2p_cocodc.algorithms.state import expect_tensor
-from p2p_cocodc.devices import DeviceCopy, Placement
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import ALGORITHMS, DC_RULES
 

@@ -8,7 +8,6 @@ to reach a bootstrap turned into one clear line instead of a hang or a traceback
 from __future__ import annotations
 
 import ctypes
-import errno
 import http.client
 import ipaddress
 import json
@@ -25,7 +24,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from p2p_cocodc.errors import UserError
+from p2p_cocodc.errors import UserError, listen_failed
 from p2p_cocodc.swarm.trust import BoardValidator, EphemeralIdentity, Identity, Membership
 
 log = logging.getLogger(__name__)
@@ -231,17 +230,14 @@ def check_listen_address(host: str, port: int) -> str:
         except socket.gaierror:
             raise UserError(f"--host {host}: cannot resolve it to an address of this machine") from None
         except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise UserError(
-                    f"--port {port} is in use on {host}: another peer, bootstrap or program listens there; "
-                    "give each one on a machine its own --port (the peer profiles use 31401-31403)"
-                ) from None
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise UserError(
-                    f"--host {host} is not an address of this machine: listen on 0.0.0.0 and give the "
-                    "address other peers dial as --announce"
-                ) from None
-            raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}): pick another --port") from None
+            raise listen_failed(
+                exc,
+                in_use=f"--port {port} is in use on {host}: another peer, bootstrap or program listens "
+                "there; give each one on a machine its own --port (the peer profiles use 31401-31403)",
+                not_here=f"--host {host} is not an address of this machine: listen on 0.0.0.0 and give the "
+                "address other peers dial as --announce",
+                other=f"cannot listen on {host}:{port} ({{reason}}): pick another --port",
+            ) from None
     return f"{host}:{port} is free" if port else f"{host} is an address of this machine (--port 0: any port)"
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
-from p2p_cocodc.codecs import Codec
+from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.swarm.limits import Limits, PeerLimiter
 from p2p_cocodc.swarm.messages import (
     Ack,

@@ -20,7 +20,7 @@ Phases (``docs/swarm.md`` has the full tables):
   that peer has stopped answering. A PROBE answered with GROUP makes the prober adopt that group;
   with LEADER naming an unknown id, the prober probes that id; a live id before it in line makes a
   leader yield (its joiners are redirected). A peer takes part in the first group it learns, ever.
-- RUNNING: the butterfly (``p2p_cocodc/butterfly.py``). PARTs and RESULTs carry the member list,
+- RUNNING: the butterfly (``p2p_cocodc/algorithms/butterfly.py``). PARTs and RESULTs carry the member list,
   are acknowledged, and are re-sent until they are, so reordering, duplicates and drops do no harm;
   a member that learns one of its group adopted another list, stopped answering, or said it is
   recovering, knows its group cannot complete and recovers.
@@ -48,8 +48,8 @@ from enum import Enum
 import torch
 
 from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
-from p2p_cocodc.butterfly import assemble, encode_slices, reduce_slice, slice_sizes
-from p2p_cocodc.codecs import Codec, get_codec
+from p2p_cocodc.algorithms.butterfly import assemble, encode_slices, reduce_slice, slice_sizes
+from p2p_cocodc.algorithms.codecs import Codec, get_codec
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.swarm.messages import (
     Ack,

@@ -1,4 +1,4 @@
-"""Using a trained model (``p2p_cocodc.saved_model``): continue a prompt, and score a text.
+"""Using a trained model (``p2p_cocodc.models.saved``): continue a prompt, and score a text.
 
 Scoring goes through the very functions a run evaluates θ̄ with (the corpus split, the tokenized
 validation stream, its fixed batches, ``evaluate``), so a saved model scored on its run's data with
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from p2p_cocodc.algorithms.devices import Placement
 from p2p_cocodc.algorithms.inner import evaluate
-from p2p_cocodc.data import Tokenizer, load_corpus, tokenize_corpus, validation_batches
-from p2p_cocodc.devices import Placement
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.models.data import Tokenizer, load_corpus, tokenize_corpus, validation_batches
 
 
 def generate(

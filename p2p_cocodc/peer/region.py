@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from p2p_cocodc.algorithms.devices import Placement, resolve_device
 from p2p_cocodc.algorithms.inner import InnerTrainer
-from p2p_cocodc.checkpoint import join_state, split_state
-from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.data import Shard
-from p2p_cocodc.devices import Placement, resolve_device
+from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import params_sha256
-from p2p_cocodc.training import TrainingSetup
+from p2p_cocodc.models.data import Shard
+from p2p_cocodc.run.checkpoint import join_state, split_state
+from p2p_cocodc.run.records import params_sha256
+from p2p_cocodc.run.setup import TrainingSetup
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
-from p2p_cocodc.config import TrainConfig
+from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
 
 DEFAULT_LOG_DIR = "runs"  # TensorBoard's own default folder

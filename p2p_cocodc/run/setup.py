@@ -17,18 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from p2p_cocodc.algorithms.codecs import Codec, get_codec
+from p2p_cocodc.algorithms.devices import Placement
 from p2p_cocodc.algorithms.fragments import make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer, evaluate
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
-from p2p_cocodc.codecs import Codec, get_codec
-from p2p_cocodc.config import AUTO, TrainConfig
-from p2p_cocodc.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
-from p2p_cocodc.devices import Placement
+from p2p_cocodc.config.train import AUTO, TrainConfig
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.hf import hf_tokenizer, is_hf_model
-from p2p_cocodc.metrics import params_sha256, perplexity
-from p2p_cocodc.model import build_model, count_parameters
-from p2p_cocodc.saved_model import save_model
+from p2p_cocodc.models.build import build_model, count_parameters
+from p2p_cocodc.models.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
+from p2p_cocodc.models.hf import hf_tokenizer, is_hf_model
+from p2p_cocodc.models.saved import save_model
+from p2p_cocodc.run.records import params_sha256, perplexity
 
 
 class TrainingSetup:
@@ -142,14 +142,12 @@ def summary_record(
     first: dict[str, Any],
     last: dict[str, Any],
     global_state: dict[str, torch.Tensor],
-    unfinished: str | None = None,
+    saved: str | None = None,
     **measured: Any,
 ) -> dict[str, Any]:
-    """The last record of every run, simulated or real; writes θ̄ to --save when asked (to its
-    partial name when ``unfinished`` says why the run did not finish with the swarm)."""
+    """The last record of every run, simulated or real (``saved``: the folder ``save_run`` wrote)."""
     cfg = setup.cfg
     digest = params_sha256(global_state)
-    saved = None if cfg.save is None else save_run(setup, global_state, last["step"], first, last, unfinished)
     return {
         "kind": "summary",
         "algo": cfg.algo,
@@ -192,7 +190,7 @@ def save_run(
         "data_sha256": setup.data_sha256(),
         "options": cfg.computing_options(),
     }
-    return save_model(setup, global_state, run)
+    return save_model(cfg, setup.base, setup.tokenizer, global_state, run)
 
 
 def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:

@@ -39,14 +39,15 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 
 from p2p_cocodc import __version__
-from p2p_cocodc.data import BpeTokenizer, ByteTokenizer, Tokenizer
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import params_sha256
-from p2p_cocodc.model import PRESETS, build_model
+from p2p_cocodc.models.build import build_model
+from p2p_cocodc.models.data import BpeTokenizer, ByteTokenizer, Tokenizer
+from p2p_cocodc.models.gpt import PRESETS
 from p2p_cocodc.names import HF_PREFIX
+from p2p_cocodc.run.records import params_sha256
 
 if TYPE_CHECKING:
-    from p2p_cocodc.training import TrainingSetup
+    from p2p_cocodc.config.train import TrainConfig
 
 FORMAT = "p2p-cocodc model"
 FORMAT_VERSION = 1
@@ -107,11 +108,17 @@ def check_save_target(path: str, force: bool) -> None:
         )
 
 
-def save_model(setup: TrainingSetup, state: dict[str, torch.Tensor], run: dict[str, Any]) -> str | None:
-    """Write θ̄ (``state``) with the run's model, tokenizer and facts (``run``) to --save, or to its
-    partial name when ``run["finished"]`` is false; returns the folder written. An unfinished run
-    whose partial name is taken writes nothing (and says so): its end is not worth an error."""
-    cfg = setup.cfg
+def save_model(
+    cfg: TrainConfig,
+    base: nn.Module,
+    tokenizer: Tokenizer,
+    state: dict[str, torch.Tensor],
+    run: dict[str, Any],
+) -> str | None:
+    """Write θ̄ (``state``) with the run's model (``base``: one built from its options), tokenizer and
+    facts (``run``) to --save, or to its partial name when ``run["finished"]`` is false; returns the
+    folder written. An unfinished run whose partial name is taken writes nothing (and says so): its
+    end is not worth an error."""
     assert cfg.save is not None
     target = cfg.save if run["finished"] else partial_path(cfg.save, run["steps"])
     try:
@@ -128,9 +135,9 @@ def save_model(setup: TrainingSetup, state: dict[str, torch.Tensor], run: dict[s
         "package_version": __version__,
         "model": cfg.model,
         "model_kind": kind,
-        "vocab_size": setup.tokens.vocab_size,
+        "vocab_size": tokenizer.vocab_size,
         "seq_len": cfg.seq_len,
-        "tokenizer": "hf" if kind == "hf" else setup.tokenizer.name,
+        "tokenizer": "hf" if kind == "hf" else tokenizer.name,
         "global_params_sha256": params_sha256(state),
         "run": run,
     }
@@ -142,16 +149,16 @@ def save_model(setup: TrainingSetup, state: dict[str, torch.Tensor], run: dict[s
             os.umask(umask)
             staging.chmod(0o777 & ~umask)  # mkdtemp's folder is private; a saved model is not
             if kind == "hf":
-                from p2p_cocodc.hf import write_pretrained
+                from p2p_cocodc.models.hf import write_pretrained
 
-                write_pretrained(setup.base, state, staging)
+                write_pretrained(base, state, staging)
             else:
                 # copies: θ̄'s tensors are views of one buffer per fragment, which safetensors refuses
                 tensors = {name: t.detach().to(torch.float32).clone() for name, t in state.items()}
                 metadata = {"global_params_sha256": config["global_params_sha256"], "algo": cfg.algo}
                 (staging / WEIGHTS_FILE).write_bytes(save_tensors(tensors, metadata=metadata))
-                if isinstance(setup.tokenizer, BpeTokenizer):
-                    (staging / TOKENIZER_FILE).write_text(setup.tokenizer.json_text, encoding="utf-8")
+                if isinstance(tokenizer, BpeTokenizer):
+                    (staging / TOKENIZER_FILE).write_text(tokenizer.json_text, encoding="utf-8")
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
             _sync(staging)
             _swap_in(staging, Path(target))
@@ -290,7 +297,7 @@ def _load_tokenizer(folder: Path, config: dict[str, Any]) -> Tokenizer:
 
 def _load_hf(folder: Path, config: dict[str, Any]) -> tuple[nn.Module, Tokenizer]:
     """An hf: model from its own saved folder (what from_pretrained loads)."""
-    from p2p_cocodc.hf import build_hf_model, folder_tokenizer
+    from p2p_cocodc.models.hf import build_hf_model, folder_tokenizer
 
     weights = folder / WEIGHTS_FILE
     if weights.is_file():  # a damaged file is named here; from_pretrained would say it less plainly

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation, aggregate
-from p2p_cocodc.codecs import Codec
+from p2p_cocodc.algorithms.codecs import Codec
 
 
 def slice_bounds(numel: int, parts: int, block: int) -> list[int]:

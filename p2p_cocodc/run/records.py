@@ -15,7 +15,7 @@ import torch
 from p2p_cocodc.errors import UserError
 
 if TYPE_CHECKING:
-    from p2p_cocodc.sinks import RecordSink
+    from p2p_cocodc.ops.sinks import RecordSink
 
 
 def params_sha256(state: dict[str, torch.Tensor]) -> str:

@@ -24,18 +24,19 @@ from typing import Any
 
 import torch
 
+from p2p_cocodc.algorithms.devices import HostCopy, peak_memory_bytes, resolve_device
 from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, paced_spacing
 from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, PreparedResult, Strategy
-from p2p_cocodc.checkpoint import Checkpoint, CheckpointWriter, committed, read_checkpoint
-from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.devices import HostCopy, peak_memory_bytes, resolve_device
+from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.hf import model_identity
-from p2p_cocodc.metrics import RunLog, params_sha256
-from p2p_cocodc.monitoring import PeerMetrics, PeerSample
-from p2p_cocodc.progress import Phases, Progress
-from p2p_cocodc.region import Region
+from p2p_cocodc.models.hf import model_identity
+from p2p_cocodc.ops.monitoring import PeerMetrics, PeerSample
+from p2p_cocodc.ops.progress import Phases, Progress
+from p2p_cocodc.peer.region import Region
+from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter, committed, read_checkpoint
+from p2p_cocodc.run.records import RunLog, params_sha256
+from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes, save_run, summary_record
 from p2p_cocodc.swarm.agreement import Agreement, Verdict
 from p2p_cocodc.swarm.dht import listen_maddrs, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
@@ -43,7 +44,6 @@ from p2p_cocodc.swarm.records import NONE_YET, REGION_CHARS, Board, PeerRecord, 
 from p2p_cocodc.swarm.run_options import differences, fingerprint, option_view
 from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
 from p2p_cocodc.swarm.trust import Membership, check_identity
-from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, summary_record
 
 log = logging.getLogger(__name__)
 
@@ -1050,13 +1050,18 @@ class Peer:
             last = await self._evaluate(self.step, started, train_losses, log_file)
         stats = self.exchange.stats
         wall = time.perf_counter() - started
+        global_state = self.strategy.global_state()
+        unfinished = self._unfinished(failure)
+        saved = None
+        if cfg.save is not None:
+            saved = save_run(self.setup, global_state, last["step"], first, last, unfinished)
         summary = summary_record(
             self.setup,
             self.settings,
             first,
             last,
-            self.strategy.global_state(),
-            unfinished=self._unfinished(failure),
+            global_state,
+            saved,
             bytes_sent=stats.bytes_sent,
             stall_s=self.stall_s,
             wall_time_s=wall,

@@ -24,7 +24,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import TOKENIZERS
 
-CORPUS_DIR = Path(__file__).parent / "corpus"
+CORPUS_DIR = Path(__file__).parents[1] / "corpus"
 EMBEDDED_NAME = "sotu"
 EMBEDDED_CORPUS = CORPUS_DIR / "sotu.tsv.xz"
 SHIPPED_BPE = CORPUS_DIR / "bpe4096.json"
@@ -247,7 +247,7 @@ def train_bpe(docs: Sequence[str]) -> str:
 
 def build_shipped_bpe() -> None:
     """Regenerate corpus/bpe4096.json from the embedded train split, by hand:
-    ``python -c "from p2p_cocodc.data import build_shipped_bpe; build_shipped_bpe()"``."""
+    ``python -c "from p2p_cocodc.models.data import build_shipped_bpe; build_shipped_bpe()"``."""
     SHIPPED_BPE.write_text(train_bpe(load_corpus(None).train_docs), encoding="utf-8")
 
 

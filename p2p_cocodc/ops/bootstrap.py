@@ -14,7 +14,6 @@ thread hands that dial to the event loop and waits for it a bounded time (``swar
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import math
@@ -30,14 +29,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from p2p_cocodc.errors import UserError
-from p2p_cocodc.logs import configure_logging
-from p2p_cocodc.monitoring import serve_bootstrap_metrics
+from p2p_cocodc.errors import UserError, listen_failed
+from p2p_cocodc.ops.logs import configure_logging
+from p2p_cocodc.ops.monitoring import serve_bootstrap_metrics
+from p2p_cocodc.ops.watch import History, health, page_files
 from p2p_cocodc.swarm.dht import listen_maddrs, p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.dial_back import REACH_PATH, DialBack
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 from p2p_cocodc.swarm.trust import Membership
-from p2p_cocodc.watch import History, health, page_files
 
 log = logging.getLogger(__name__)
 
@@ -246,13 +245,11 @@ def bind_status_server(host: str, port: int) -> StatusServer:
     try:
         return StatusServer(host, port)
     except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise UserError(
-                f"--status-port {port} is in use: is another bootstrap running on {host}? "
-                "Stop it or pick a free port"
-            ) from None
-        raise UserError(
-            f"cannot serve HTTP on {host}:{port} ({exc.strerror or exc}): check --status-host"
+        raise listen_failed(
+            exc,
+            in_use=f"--status-port {port} is in use: is another bootstrap running on {host}? "
+            "Stop it or pick a free port",
+            other=f"cannot serve HTTP on {host}:{port} ({{reason}}): check --status-host",
         ) from None
 
 

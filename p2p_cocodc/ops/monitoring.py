@@ -56,7 +56,6 @@ also serve the standard ``process_*`` metrics of their process (CPU seconds, res
 
 from __future__ import annotations
 
-import errno
 import json
 import socket
 import threading
@@ -71,7 +70,7 @@ from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, ma
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from p2p_cocodc.errors import UserError
+from p2p_cocodc.errors import UserError, listen_failed
 
 PREFIX = "p2p_cocodc"
 # a sync takes a fraction of a second between two processes on one machine, minutes on a thin link
@@ -131,12 +130,12 @@ def serve(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
     try:
         server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_Handler)
     except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise UserError(
-                f"--metrics-port {port} is in use on {host}: is another peer or bootstrap serving its "
-                "metrics there? Stop it or pick a free port"
-            ) from None
-        raise UserError(f"--metrics-port {port}: cannot listen on {host} ({exc.strerror or exc})") from None
+        raise listen_failed(
+            exc,
+            in_use=f"--metrics-port {port} is in use on {host}: is another peer or bootstrap serving its "
+            "metrics there? Stop it or pick a free port",
+            other=f"--metrics-port {port}: cannot listen on {host} ({{reason}})",
+        ) from None
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return MetricsServer(host, server.server_address[1], server)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import read_records
+from p2p_cocodc.run.records import read_records
 
 
 def crossing(evals: list[dict[str, Any]], target: float, axis: str) -> float | None:

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2p_cocodc.config import FIELDS, TrainConfig
+from p2p_cocodc.config.train import FIELDS, TrainConfig
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.metrics import params_sha256
-from p2p_cocodc.model import check_fragment_units
+from p2p_cocodc.models.units import check_fragment_units
 from p2p_cocodc.names import HF_PREFIX
+from p2p_cocodc.run.records import params_sha256
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -378,13 +378,13 @@ def model_identity(spec: str, model: nn.Module) -> str:
     return f"hf:config-{model.config_sha256[:16]}:params-{params_sha256(model.state_dict())[:16]}"
 
 
-# ---- a saved model's folder (p2p_cocodc.saved_model) ----
+# ---- a saved model's folder (p2p_cocodc.models.saved) ----
 
 
 def write_pretrained(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
     """Write θ̄ into ``folder`` as ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer
     .from_pretrained`` load it: float32 safetensors weights under the HF model's own names, its
-    config, and the tokenizer of the folder the run's model came from (p2p_cocodc.saved_model
+    config, and the tokenizer of the folder the run's model came from (p2p_cocodc.models.saved
     adds its own config and puts the folder in place)."""
     if not isinstance(model, HFCausalLM):
         raise TypeError(f"write_pretrained needs the run's HFCausalLM, not a {type(model).__name__}")

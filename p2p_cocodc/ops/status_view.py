@@ -126,7 +126,7 @@ def run_table(run_id: str, run: dict[str, Any], plain: bool, fit: Console | None
             break
         columns.pop()
     if len(columns) < len(COLUMNS):
-        table.caption = Text(f"{', '.join(COLUMNS[len(columns):])}: not shown, for want of width")
+        table.caption = Text(f"{', '.join(COLUMNS[len(columns) :])}: not shown, for want of width")
         table.caption_justify = "left"
     return table
 

@@ -25,17 +25,17 @@ from typing import Any
 
 import torch
 
+from p2p_cocodc.algorithms.butterfly import butterfly_mean
 from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.state import expect_tensor
 from p2p_cocodc.algorithms.strategies import DataParallel, Strategy
-from p2p_cocodc.butterfly import butterfly_mean
-from p2p_cocodc.checkpoint import Checkpoint, CheckpointWriter
-from p2p_cocodc.config import TrainConfig
-from p2p_cocodc.data import Shard
+from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import Stopped, UserError
-from p2p_cocodc.metrics import RunLog
-from p2p_cocodc.replay import read_events
-from p2p_cocodc.training import TrainingSetup, allreduce_wire_bytes, save_run, summary_record
+from p2p_cocodc.models.data import Shard
+from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter
+from p2p_cocodc.run.records import RunLog
+from p2p_cocodc.run.replay import read_events
+from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes, save_run, summary_record
 
 
 @dataclass
@@ -186,12 +186,16 @@ class Simulation:
                     f"stopped by {received.name} after step {step} of {cfg.steps}: {how}", 128 + received
                 )
         evals = [record for record in self.records if record["kind"] == "eval"]
+        saved = None
+        if cfg.save is not None:
+            saved = save_run(self.setup, self.global_state(), cfg.steps, evals[0], evals[-1])
         summary = summary_record(
             self.setup,
             self.settings,
             evals[0],
             evals[-1],
             self.global_state(),
+            saved,
             bytes_sent=self.bytes_sent,
             stall_s=self.stall,
             sim_time_s=self.clock,

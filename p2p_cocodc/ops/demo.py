@@ -27,7 +27,7 @@ from typing import Any
 import click
 
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.progress import Progress, progress_bars
+from p2p_cocodc.ops.progress import Progress, progress_bars
 
 HOST = "127.0.0.1"
 RUN_ID = "demo"
@@ -46,7 +46,7 @@ def run_demo(peers: int, training: dict[str, Any], workdir: str | None, quiet: b
     ``training`` holds ``join`` options (field name → value; None means join's default). Every process
     is stopped on the way out, whatever happens; Ctrl-C and SIGTERM arrive here as KeyboardInterrupt.
     """
-    from p2p_cocodc.config import build_config
+    from p2p_cocodc.config.train import build_config
     from p2p_cocodc.swarm.trust import keygen
 
     options = {k: v for k, v in training.items() if v is not None}

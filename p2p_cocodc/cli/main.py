@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from p2p_cocodc.config import FIELDS, TrainConfig, build_config, load_toml
+from p2p_cocodc.config.train import FIELDS, TrainConfig, build_config, load_toml
 from p2p_cocodc.errors import Stopped, UserError
 
 if TYPE_CHECKING:  # imported where used: --help must not pay for hivemind and torch
-    from p2p_cocodc.monitoring import PeerMetrics
-    from p2p_cocodc.peer import SwarmOptions
+    from p2p_cocodc.ops.monitoring import PeerMetrics
+    from p2p_cocodc.peer.node import SwarmOptions
 
 
 class Option(click.Option):
@@ -99,14 +99,14 @@ def check_output_paths(cfg: TrainConfig) -> None:
             except OSError as exc:
                 raise UserError(f"--out {cfg.out}: cannot write it ({exc.strerror})") from None
     if cfg.save is not None:
-        from p2p_cocodc.saved_model import check_save_target
+        from p2p_cocodc.models.saved import check_save_target
 
         check_save_target(cfg.save, cfg.force)
         _check_folder(f"--save {cfg.save}", Path(cfg.save).parent)
     if cfg.checkpoint_dir is not None:
         _check_folder(f"--checkpoint-dir {cfg.checkpoint_dir}", Path(cfg.checkpoint_dir))
     if cfg.log_to is not None:
-        from p2p_cocodc.sinks import check_sinks, log_dir
+        from p2p_cocodc.ops.sinks import check_sinks, log_dir
 
         _check_folder(f"--log-dir {log_dir(cfg)}", log_dir(cfg))
         check_sinks(cfg)
@@ -172,11 +172,11 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     cfg = _config_from(config_path, options)
     check_output_paths(cfg)
 
-    from p2p_cocodc.checkpoint import CheckpointWriter, find_resume_point
-    from p2p_cocodc.metrics import RunLog
-    from p2p_cocodc.progress import progress_bars
-    from p2p_cocodc.sim import Simulation
-    from p2p_cocodc.sinks import open_sinks
+    from p2p_cocodc.ops.progress import progress_bars
+    from p2p_cocodc.ops.sinks import open_sinks
+    from p2p_cocodc.run.checkpoint import CheckpointWriter, find_resume_point
+    from p2p_cocodc.run.records import RunLog
+    from p2p_cocodc.run.simulator import Simulation
 
     checkpoint = find_resume_point(cfg)
     sim = Simulation(cfg) if checkpoint is None else Simulation.resumed(cfg, checkpoint)
@@ -296,8 +296,8 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
     options in a [swarm] table (command-line values win)."""
     import logging
 
-    from p2p_cocodc.config import SWARM_TABLE, read_toml
-    from p2p_cocodc.logs import configure_logging
+    from p2p_cocodc.config.train import SWARM_TABLE, read_toml
+    from p2p_cocodc.ops.logs import configure_logging
 
     configure_logging(logging.INFO if verbose else logging.WARNING)
     swarm_cli = {k: options.pop(k) for k in list(options) if k not in FIELDS}
@@ -307,9 +307,9 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
     check_output_paths(cfg)
 
     # hivemind: imported once the options are known good
-    from p2p_cocodc.checkpoint import find_resume_point
-    from p2p_cocodc.peer import REGION_CHARS, Peer, swarm_options
-    from p2p_cocodc.region import Region, follow_region
+    from p2p_cocodc.peer.node import REGION_CHARS, Peer, swarm_options
+    from p2p_cocodc.peer.region import Region, follow_region
+    from p2p_cocodc.run.checkpoint import find_resume_point
 
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
     stem = Path(config_path).stem if config_path is not None else ""
@@ -376,7 +376,7 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
 
 def preflight(cfg: Any, opts: Any) -> int:
     """``join --check``: a line per check, ``ok:`` on stdout or ``error:`` on stderr; exit code 0 or 2."""
-    from p2p_cocodc.preflight import run_checks
+    from p2p_cocodc.ops.preflight import run_checks
 
     def say(passed: bool | None, line: str) -> None:
         prefix = {True: "ok", None: "note", False: "error"}[passed]
@@ -393,7 +393,7 @@ def _peer_metrics(opts: SwarmOptions) -> PeerMetrics | None:
     one line before any slow set-up); None without the option."""
     if opts.metrics_port is None:
         return None
-    from p2p_cocodc.monitoring import serve_peer_metrics
+    from p2p_cocodc.ops.monitoring import serve_peer_metrics
 
     metrics, server = serve_peer_metrics(opts.host, opts.metrics_port)
     click.echo(f"metrics at {server.url}", err=True)
@@ -404,9 +404,9 @@ def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
     """Run a peer on a uvloop event loop, with its progress on stderr unless quiet."""
     import uvloop
 
-    from p2p_cocodc.metrics import RunLog
-    from p2p_cocodc.progress import progress_bars
-    from p2p_cocodc.sinks import open_sinks
+    from p2p_cocodc.ops.progress import progress_bars
+    from p2p_cocodc.ops.sinks import open_sinks
+    from p2p_cocodc.run.records import RunLog
 
     opts = peer.opts  # a W&B group per run; TensorBoard and W&B runs named after the region
     log = RunLog(cfg.out, open_sinks(cfg, f"{opts.run_id}-{opts.region or f'pid{os.getpid()}'}", opts.run_id))
@@ -482,7 +482,7 @@ def bootstrap(
     metrics_port: int | None,
 ) -> None:
     """Run the swarm's bootstrap node: the DHT address peers join through, plus a status page."""
-    from p2p_cocodc.bootstrap import BootstrapOptions, run_bootstrap
+    from p2p_cocodc.ops.bootstrap import BootstrapOptions, run_bootstrap
 
     opts = BootstrapOptions(
         identity=identity,
@@ -516,7 +516,7 @@ def status(bootstrap: str, run_id: str | None, once: bool, refresh: float) -> No
     """A live table of a run's peers, from the bootstrap's notice board: region, state, step,
     tokens/s, perplexity, fragment versions, last round, bytes in and out, stall and health. The
     same, with charts, is the bootstrap's page http://HOST:PORT/."""
-    from p2p_cocodc.status_view import watch_status
+    from p2p_cocodc.ops.status_view import watch_status
 
     watch_status(bootstrap, run_id, once, refresh)
 
@@ -562,7 +562,7 @@ def _demo_option(name: str, **kwargs: Any) -> Callable[..., Any]:
 @option("--quiet", is_flag=True, help="no progress (bars, or lines when stderr is no terminal)")
 def demo(peers: int, workdir: str | None, quiet: bool, **training: Any) -> None:
     """A whole swarm on this machine: a bootstrap and --workers peers on 127.0.0.1, live, then results."""
-    from p2p_cocodc.demo import run_demo
+    from p2p_cocodc.ops.demo import run_demo
 
     click.echo(run_demo(peers, training, workdir, quiet))
 
@@ -622,7 +622,7 @@ def peer_id(identity: str) -> None:
 @option("--plot", "plot_path", type=click.Path(), default=None, help="write a PNG here")
 def compare(runs: tuple[str, ...], target_ppl: float | None, plot_path: str | None) -> None:
     """Compare runs: final perplexity, steps and time to a target perplexity, bytes."""
-    from p2p_cocodc.compare import compare_runs
+    from p2p_cocodc.ops.compare import compare_runs
 
     click.echo(compare_runs(list(runs), target_ppl, plot_path))
 
@@ -662,9 +662,9 @@ def generate(
     """Continue --prompt with MODEL, a folder `--save` wrote; print the prompt and its continuation."""
     import torch
 
-    from p2p_cocodc.devices import resolve_device
-    from p2p_cocodc.inference import generate as continue_text
-    from p2p_cocodc.saved_model import load_saved
+    from p2p_cocodc.algorithms.devices import resolve_device
+    from p2p_cocodc.models.inference import generate as continue_text
+    from p2p_cocodc.models.saved import load_saved
 
     where = resolve_device(device)
     lm, tokenizer, info = load_saved(model)
@@ -715,10 +715,10 @@ def generate(
 def eval_model(model: str, data: str | None, batches: int | None, seq_len: int | None, device: str) -> None:
     """Score MODEL, a folder `--save` wrote: its loss and perplexity on the validation split of
     --data, in the run's batches (on the run's own data: the run's final perplexity)."""
-    from p2p_cocodc.devices import Placement, resolve_device
-    from p2p_cocodc.inference import evaluate_text
-    from p2p_cocodc.metrics import perplexity
-    from p2p_cocodc.saved_model import load_saved
+    from p2p_cocodc.algorithms.devices import Placement, resolve_device
+    from p2p_cocodc.models.inference import evaluate_text
+    from p2p_cocodc.models.saved import load_saved
+    from p2p_cocodc.run.records import perplexity
 
     placement_device = resolve_device(device)
     lm, tokenizer, info = load_saved(model)

@@ -1,5 +1,5 @@
 """Checkpoints (``--checkpoint-dir``), written atomically, that a run resumes from bit-exactly (the
-final θ̄ of ``--save`` is p2p_cocodc.saved_model's).
+final θ̄ of ``--save`` is p2p_cocodc.models.saved's).
 
 A checkpoint of step t is two files in the checkpoint folder:
 
@@ -37,7 +37,7 @@ from p2p_cocodc import __version__
 from p2p_cocodc.errors import UserError
 
 if TYPE_CHECKING:
-    from p2p_cocodc.config import TrainConfig
+    from p2p_cocodc.config.train import TrainConfig
 
 FORMAT = "p2p-cocodc checkpoint"
 FORMAT_VERSION = 2  # 2: a CoCoDC schedule's spacing, and the spacing of each result in flight

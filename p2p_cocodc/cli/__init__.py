@@ -1,0 +1,1 @@
+"""The ``p2p-cocodc`` command line."""

@@ -1,0 +1,1 @@
+"""Options: one schema for the command line, TOML profiles and the environment."""

@@ -1,0 +1,2 @@
+"""The drivers' shared parts: set-up from one config, the replica loop, the simulator, checkpoints,
+replay and run records."""
