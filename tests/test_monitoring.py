@@ -20,11 +20,12 @@ import uvloop
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from p2p_cocodc.config.join import SwarmOptions
 from p2p_cocodc.config.train import build_config, load_toml
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.ops.bootstrap import Snapshot
 from p2p_cocodc.ops.monitoring import MAX_PEER_SERIES, BootstrapMetrics, serve_peer_metrics
-from p2p_cocodc.peer.node import Peer, SwarmOptions
+from p2p_cocodc.peer.node import Peer
 from p2p_cocodc.run.records import RunLog
 from tests.swarm_procs import (
     CLI,
@@ -351,7 +352,7 @@ def test_a_missing_package_is_one_line_naming_its_extra(tmp_path: Path) -> None:
 
 
 def test_a_profile_may_hold_the_metrics_port() -> None:
-    from p2p_cocodc.peer.node import swarm_options
+    from p2p_cocodc.config.join import swarm_options
 
     opts = swarm_options({"bootstrap": "127.0.0.1:31338", "metrics-port": 9101}, {})
     assert opts.metrics_port == 9101

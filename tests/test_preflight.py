@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from p2p_cocodc.config.join import swarm_options
 from p2p_cocodc.config.train import build_config
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.ops.preflight import run_checks
-from p2p_cocodc.peer.node import swarm_options
 from p2p_cocodc.swarm.dht import (
     STATUS_PORT,
     find_bootstrap,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from p2p_cocodc.config.join import swarm_options
 from p2p_cocodc.config.train import SWARM_TABLE, build_config, load_toml, read_toml
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.peer.node import swarm_options
 
 PROFILES = sorted((Path(__file__).parent.parent / "peers").glob("*.toml"))
 

@@ -18,8 +18,8 @@ from p2p_cocodc.config.train import FIELDS, TrainConfig, build_config, load_toml
 from p2p_cocodc.errors import Stopped, UserError
 
 if TYPE_CHECKING:  # imported where used: --help must not pay for hivemind and torch
+    from p2p_cocodc.config.join import SwarmOptions
     from p2p_cocodc.ops.monitoring import PeerMetrics
-    from p2p_cocodc.peer.node import SwarmOptions
 
 
 class Option(click.Option):
@@ -307,9 +307,11 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
     check_output_paths(cfg)
 
     # hivemind: imported once the options are known good
-    from p2p_cocodc.peer.node import REGION_CHARS, Peer, swarm_options
+    from p2p_cocodc.config.join import swarm_options
+    from p2p_cocodc.peer.node import Peer
     from p2p_cocodc.peer.region import Region, follow_region
     from p2p_cocodc.run.checkpoint import find_resume_point
+    from p2p_cocodc.swarm.records import REGION_CHARS
 
     swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
     stem = Path(config_path).stem if config_path is not None else ""

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from p2p_cocodc.config.join import SwarmOptions
 from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.peer.node import SwarmOptions
 from p2p_cocodc.swarm.dht import (
     STATUS_PORT,
     check_listen_address,
