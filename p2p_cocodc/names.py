@@ -3,6 +3,10 @@ option validation) without paying for importing torch. The modules that implemen
 these tuples, so each name is written once."""
 
 ALGORITHMS = ("ddp", "diloco", "streaming", "cocodc")
+# the algorithms whose replicas average every step's gradients instead of syncing fragments of the
+# model (``ReplicaStrategy.averages_gradients``): nothing overlaps, nothing is screened, and a run
+# under way cannot take a new replica (there is no shared state beyond the replicas themselves)
+AVERAGE_GRADIENTS = ("ddp",)
 DC_RULES = ("tensor", "step")
 CODEC_NAMES = ("fp32", "bf16", "int8", "fp4")
 # how the owner of a butterfly slice combines its members' slices (algorithms/aggregation.py)

@@ -21,7 +21,8 @@ import torch
 
 from p2p_cocodc.algorithms.butterfly import butterfly_mean
 from p2p_cocodc.algorithms.codecs import get_codec
-from p2p_cocodc.swarm.round import (
+from p2p_cocodc.swarm.round import RoundMachine
+from p2p_cocodc.swarm.round_events import (
     BoardPeer,
     Completed,
     Compute,
@@ -31,7 +32,6 @@ from p2p_cocodc.swarm.round import (
     Lost,
     Phase,
     Received,
-    RoundMachine,
     Send,
     Settle,
     Start,

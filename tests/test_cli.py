@@ -510,3 +510,206 @@ def test_a_bad_address_is_one_line_before_anything_starts(
     )
     assert_one_error_line(proc, message)
     assert not (tmp_path / "bootstrap.id").exists()
+
+
+# ---- join's and bootstrap's own options: one schema, like the training options ----
+
+# a good value of every option (as a TOML value; the command line and the environment get its text)
+# and the value the options class then holds
+GOOD = {
+    "join": {
+        "bootstrap": ("203.0.113.10:31338", "203.0.113.10:31338"),
+        "run_id": ("r1", "r1"),
+        "host": ("0.0.0.0", "0.0.0.0"),
+        "port": (4101, 4101),
+        "announce": ("203.0.113.20", "203.0.113.20"),
+        "shard": ("1/3", (1, 3)),
+        "identity": ("peer.id", "peer.id"),
+        "swarm_key_file": ("swarm.key", "swarm.key"),
+        "owner": ("QmOwner", "QmOwner"),
+        "certificate": ("peer.cert", "peer.cert"),
+        "wait_peers": (5.5, 5.5),
+        "round_timeout": (7.25, 7.25),
+        "pace": ("fixed", "fixed"),
+        "region": ("eu-west", "eu-west"),
+        "metrics_port": (9101, 9101),
+    },
+    "bootstrap": {
+        "identity": ("boot.id", "boot.id"),
+        "host": ("0.0.0.0", "0.0.0.0"),
+        "port": (31500, 31500),
+        "announce": ("203.0.113.10", "203.0.113.10"),
+        "address_file": ("boot.json", "boot.json"),
+        "status_host": ("0.0.0.0", "0.0.0.0"),
+        "status_port": (31501, 31501),
+        "refresh": (0.5, 0.5),
+        "swarm_key_file": ("swarm.key", "swarm.key"),
+        "owner": ("QmOwner", "QmOwner"),
+        "metrics_port": (9102, 9102),
+    },
+}
+# a bad value of every option that has one, and what the error line must say; the others take any
+# text (files are read, and the bootstrap dialled, once the peer starts: `join --check` tries them)
+BAD = {
+    "join": {
+        "run_id": ("a b", "--run-id 'a b'"),
+        "host": ("::zz", "--host '::zz'"),
+        "port": ("x", "--port must be int, got 'x'"),
+        "announce": ("a b", "--announce 'a b'"),
+        "shard": ("1-3", "--shard '1-3'"),
+        "wait_peers": ("0", "--wait-peers must be > 0"),
+        "round_timeout": ("-1", "--round-timeout must be > 0"),
+        "pace": ("slow", "unknown --pace 'slow'"),
+        "region": ("a b", "--region 'a b'"),
+        "metrics_port": ("4100", "--port and --metrics-port are both 4100"),
+    },
+    "bootstrap": {
+        "identity": (".", "--identity . is a directory"),
+        "host": ("1.2.3.456", "--host '1.2.3.456'"),
+        "port": ("70000", "--port must be in [0, 65535]"),
+        "announce": ("???", "--announce '???'"),
+        "address_file": (".", "--address-file . is a directory"),
+        "status_port": ("x", "--status-port must be int, got 'x'"),
+        "refresh": ("0", "--refresh must be in [0.1, 3600]"),
+        "metrics_port": ("31337", "--port and --metrics-port are both 31337"),
+    },
+}
+ANY_TEXT = {
+    "join": {"bootstrap", "identity", "swarm_key_file", "owner", "certificate"},
+    "bootstrap": {"status_host", "swarm_key_file", "owner"},
+}
+# what every join below gives besides the option under test (--announce needs a fixed --port)
+JOIN_BASE = {"bootstrap": "127.0.0.1:31338", "port": "4100"}
+
+
+def schema_of(command: str) -> Any:
+    from p2p_cocodc.config.bootstrap import BOOTSTRAP
+    from p2p_cocodc.config.join import SWARM
+
+    return {"join": SWARM, "bootstrap": BOOTSTRAP}[command]
+
+
+def built_options(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    command: str,
+    args: list[str],
+    environ: dict[str, str] | None = None,
+    toml: str | None = None,
+) -> Any:
+    """The options class ``command`` builds from ``args``, the environment and a --config file
+    holding ``toml``, in process; what stops it is returned instead (a UserError)."""
+    from click.testing import CliRunner
+
+    import p2p_cocodc.cli.main as cli_main
+    import p2p_cocodc.ops.bootstrap as ops_bootstrap
+    from p2p_cocodc.errors import UserError
+
+    built = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_main, "preflight", lambda cfg, opts: built.append(opts) or 0)
+    monkeypatch.setattr(ops_bootstrap, "run_bootstrap", lambda opts: built.append(opts.validate()) and 0)
+    if toml is not None:
+        (tmp_path / "options.toml").write_text(toml, encoding="utf-8")
+        args = [*args, "--config", "options.toml"]
+    check = ["--check"] if command == "join" else []
+    result = CliRunner().invoke(cli_main.cli, [command, *check, *args], env=environ)
+    if isinstance(result.exception, UserError):
+        return result.exception
+    assert result.exit_code == 0 and len(built) == 1, (result.output, result.exception)
+    return built[0]
+
+
+def option_cases(table: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(command, key) for command, keys in table.items() for key in keys]
+
+
+@pytest.mark.parametrize("command", ["join", "bootstrap"])
+def test_every_option_of_join_and_bootstrap_is_declared_in_the_schema(command: str) -> None:
+    """The tables above cover every option; the command's own flags are the schema's and these alone."""
+    import click
+
+    from p2p_cocodc.cli.main import cli as group
+    from p2p_cocodc.config.train import FIELDS
+
+    schema = schema_of(command)
+    assert set(GOOD[command]) == set(schema.fields)
+    assert set(BAD[command]) | ANY_TEXT[command] == set(schema.fields)
+    assert not set(BAD[command]) & ANY_TEXT[command]
+    own = {p.name for p in group.commands[command].params if isinstance(p, click.Option)}
+    own -= {"config_path", "help", "check", "quiet", "verbose", *FIELDS}
+    assert own == set(schema.fields)
+
+
+@pytest.mark.parametrize(("command", "key"), option_cases(GOOD))
+def test_every_option_of_join_and_bootstrap_is_in_help_with_its_default(command: str, key: str) -> None:
+    import click
+    from click.testing import CliRunner
+
+    from p2p_cocodc.cli.main import cli as group
+
+    schema = schema_of(command)
+    text = " ".join(CliRunner().invoke(group, [command, "--help"], terminal_width=200).output.split())
+    param = next(p for p in group.commands[command].params if p.name == key)
+    names, help_text = param.get_help_record(click.Context(group.commands[command]))
+    assert names == f"{schema.flag(key)} {schema.metavar(key)}"
+    assert " ".join(f"{names} {help_text}".split()) in text
+    meta = schema.fields[key].metadata
+    if schema.required(key):
+        assert "[default:" not in help_text
+    else:
+        assert help_text == f"{meta['help']}  [default: {meta['shown']}]"
+
+
+@pytest.mark.parametrize("source", ["command line", "environment", "TOML"])
+@pytest.mark.parametrize(("command", "key"), option_cases(GOOD))
+def test_every_option_of_join_and_bootstrap_comes_from_each_source(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str, key: str, source: str
+) -> None:
+    """The command line, P2P_COCODC_<COMMAND>_<OPTION>, and a --config file: join's [swarm] table,
+    the bootstrap's own keys (with dashes)."""
+    schema = schema_of(command)
+    value, expected = GOOD[command][key]
+    base = {k: v for k, v in JOIN_BASE.items() if k != key} if command == "join" else {}
+    args = [a for k, v in base.items() for a in (schema.flag(k), v)]
+    environ, toml = None, None
+    if source == "command line":
+        args += [schema.flag(key), str(value)]
+    elif source == "environment":
+        environ = {f"P2P_COCODC_{command.upper()}_{key.upper()}": str(value)}
+    else:
+        table = "[swarm]\n" if command == "join" else ""
+        toml = f"{table}{schema.flag(key)[2:]} = {value!r}\n".replace("'", '"')
+    opts = built_options(monkeypatch, tmp_path, command, args, environ, toml)
+    assert getattr(opts, schema.fields[key].name) == expected
+
+
+@pytest.mark.parametrize(("command", "key"), option_cases(BAD))
+def test_a_bad_join_or_bootstrap_option_is_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str, key: str
+) -> None:
+    from p2p_cocodc.errors import UserError
+
+    schema = schema_of(command)
+    value, message = BAD[command][key]
+    base = {k: v for k, v in JOIN_BASE.items() if k != key} if command == "join" else {}
+    args = [a for k, v in {**base, key: value}.items() for a in (schema.flag(k), v)]
+    error = built_options(monkeypatch, tmp_path, command, args)
+    assert isinstance(error, UserError), error
+    assert "\n" not in str(error) and message in str(error) and schema.flag(key) in str(error)
+
+
+def test_the_command_line_beats_the_environment_and_the_environment_the_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    toml = "[swarm]\nbootstrap = 'h:1'\nrun-id = 'file'\nport = 4000\nwait-peers = 9\n"
+    environ = {"P2P_COCODC_JOIN_RUN_ID": "env", "P2P_COCODC_JOIN_PORT": "4001"}
+    opts = built_options(monkeypatch, tmp_path, "join", ["--port", "4002"], environ, toml)
+    assert (opts.bootstrap, opts.run_id, opts.port, opts.wait_peers_s) == ("h:1", "env", 4002, 9.0)
+    assert opts.region == "options"  # the profile's file name
+    toml = "port = 4000\nrefresh = 2\nstatus-port = 4010\n"
+    environ = {"P2P_COCODC_BOOTSTRAP_REFRESH": "3"}
+    opts = built_options(monkeypatch, tmp_path, "bootstrap", ["--port", "4002"], environ, toml)
+    assert (opts.port, opts.refresh_s, opts.status_port) == (4002, 3.0, 4010)
+    error = built_options(monkeypatch, tmp_path, "bootstrap", [], None, "colour = 'red'\n")
+    assert "--config options.toml: unknown key 'colour'; valid keys: identity, host, port" in str(error)

@@ -25,10 +25,12 @@ def test_defaults_validate() -> None:
 def test_simulate_with_no_options_is_the_quick_run_and_the_study_is_a_profile() -> None:
     """`p2p-cocodc simulate` alone, parsed as the command line parses it: the micro model, 4 workers,
     192 steps (minutes on 2 cores); profiles/study.toml is the long study the README names."""
-    from p2p_cocodc.cli.main import _config_from, simulate
+    from p2p_cocodc.cli.main import _config_from, cli, simulate
     from p2p_cocodc.config.train import FIELDS
 
-    params = simulate.make_context("simulate", []).params
+    # in the group's context, as the command line makes it: a context of its own would give simulate
+    # click's default help options, and click keeps them (`simulate -h` would fail in later tests)
+    params = simulate.make_context("simulate", [], parent=cli.make_context("p2p-cocodc", ["simulate"])).params
     quick = _config_from(params["config_path"], {k: v for k, v in params.items() if k in FIELDS})
     assert (quick.algo, quick.model, quick.workers, quick.steps, quick.eval_every) == (
         "cocodc",
@@ -374,3 +376,72 @@ def test_inner_settings() -> None:
     )
     i = cfg.inner_settings()
     assert (i.lr, i.warmup, i.total_steps, i.weight_decay, i.grad_clip) == (0.002, 7, 99, 0.01, 0.0)
+
+
+# ---- derived values: τ and N (config/derived.py) ----
+
+
+def test_sync_shape_defaults() -> None:
+    from p2p_cocodc.config.derived import sync_shape
+
+    assert sync_shape("cocodc", 48, 4, None, None) == (12, 4)  # H/4, N = K
+    assert sync_shape("streaming", 10, 2, None, None) == (2, 2)  # H/4 rounded down
+    assert sync_shape("diloco", 48, 4, None, None) == (0, 4)  # blocking: no overlap
+    assert sync_shape("ddp", 48, 4, None, 7) == (0, 7)
+    assert sync_shape("cocodc", 48, 4, 3, 6) == (3, 6)  # given numbers as they are
+    with pytest.raises(ValueError, match="'auto'"):
+        sync_shape("cocodc", 48, 4, AUTO, None)  # 'auto' needs the link
+
+
+def test_sync_shape_auto_from_the_link() -> None:
+    """Transfers of 1.1 s and 3.1 s (0.1 s latency, 1 MB/s) at 0.5 s a step: the slowest hides
+    behind τ = ⌈3.1 / 0.5⌉ = 7 steps; H = 48 steps (24 s) fit ⌊24 / 2.1⌋ = 11 transfers of the mean."""
+    from p2p_cocodc.config.derived import Link, sync_shape
+
+    link = Link(wire_bytes=[1_000_000, 3_000_000], latency_s=0.1, bandwidth_bps=8e6, step_time=0.5)
+    assert sync_shape("cocodc", 48, 2, AUTO, AUTO, link) == (7, 11)
+    assert sync_shape("cocodc", 48, 2, AUTO, None, link) == (7, 2)
+    assert sync_shape("cocodc", 8, 2, None, AUTO, link) == (2, 1)  # never fewer than one send
+    fast = Link([1000], 0.0, 1e9, 1.0)
+    assert sync_shape("cocodc", 8, 2, AUTO, AUTO, fast) == (1, 8)  # never more than one per step
+    with pytest.raises(UserError) as info:
+        sync_shape("streaming", 6, 2, AUTO, None, link)
+    assert str(info.value) == (
+        "--overlap auto: a fragment transfer takes 3.10 s = 7 inner steps, not less than --inner-steps 6; "
+        "raise --inner-steps, --fragments or --bandwidth-mbps, or pick a smaller --codec"
+    )
+
+
+def test_algo_settings_with_the_link_are_the_setups() -> None:
+    """A peer's and the simulator's τ and N (``TrainingSetup.settings``, from the model's fragments
+    and the codec's wire bytes) are ``TrainConfig.algo_settings`` with the link, for every algorithm."""
+    import itertools
+
+    from p2p_cocodc.algorithms.fragments import make_fragments
+    from p2p_cocodc.config.derived import Link
+    from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes
+
+    tiny = {"model": "nano", "tokenizer": "byte", "seq_len": "32", "batch_size": "4"}
+    setup = TrainingSetup(build_config({}, tiny))
+    cases = itertools.product(["ddp", "diloco", "streaming", "cocodc"], [None, "2", AUTO], [None, "3", AUTO])
+    links = [(0.1, 5e7, 0.05), (0.0, 1e6, 0.3), (0.02, 1e9, 0.001), (0.5, 1e5, 0.01)]  # the last: τ ≥ H
+    for (algo, tau, n), (latency, bandwidth, step_time) in itertools.product(cases, links):
+        if algo in ("ddp", "diloco") and tau not in (None, "0"):
+            continue
+        setup.cfg = cfg = build_config({}, {**tiny, "algo": algo, "overlap": tau, "transmissions": n})
+        units = (
+            make_fragments(setup.base, cfg.fragments, cfg.pattern) if algo in ("streaming", "cocodc") else []
+        )
+        sizes = [u.numel for u in units] or [setup.num_params]
+        link = Link(
+            [allreduce_wire_bytes(setup.codec, s, cfg.workers) for s in sizes], latency, bandwidth, step_time
+        )
+        try:
+            expected: object = setup.settings(latency, bandwidth, step_time)
+        except UserError as exc:
+            expected = str(exc)
+        try:
+            got: object = cfg.algo_settings(link=link)
+        except UserError as exc:
+            got = str(exc)
+        assert got == expected, (algo, tau, n, latency, bandwidth, step_time)

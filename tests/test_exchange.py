@@ -19,7 +19,7 @@ from p2p_cocodc.swarm import exchange as exchange_module
 from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
 from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, parse_members, parse_message
 from p2p_cocodc.swarm.records import PeerRecord
-from p2p_cocodc.swarm.round import leader_rank
+from p2p_cocodc.swarm.round_events import leader_rank
 from p2p_cocodc.swarm.wire import BadMessage
 from tests.local_dhts import local_dhts
 

@@ -86,7 +86,7 @@ def test_a_peer_whose_syncs_all_fail_stops_with_an_error_and_a_summary_that_says
     alike. Each says so while it runs, stops once the syncs of every fragment have failed
     ``FAILING_STREAK`` times in a row, and exits non-zero with one line; its --out ends with a
     summary whose ``failure`` says why. Never the success line."""
-    from p2p_cocodc.peer.node import FAILING_STREAK
+    from p2p_cocodc.peer.syncs import FAILING_STREAK
 
     boot = start_bootstrap(tmp_path)
     options = [*TINY_MODEL, "--workers", "2", "--steps", "400", *TINY_SYNCS, "--threads", "1", "--quiet"]

@@ -40,8 +40,9 @@ def test_command_line_overrides_the_swarm_table() -> None:
     ("table", "message"),
     [
         ({"bootstrap": "h:1", "colour": "red"}, "unknown key 'colour'"),
-        ({"bootstrap": "h:1", "port": "80"}, "port must be an integer"),
-        ({"bootstrap": "h:1", "wait-peers": True}, "wait-peers must be a number"),
+        ({"bootstrap": "h:1", "port": "eighty"}, "--port must be int, got 'eighty'"),
+        ({"bootstrap": "h:1", "wait-peers": True}, "--wait-peers must be float, got True"),
+        ({"bootstrap": "h:1", "pace": "slow"}, "unknown --pace 'slow': use one of link, fixed"),
         ({"bootstrap": "h:1", "shard": "1-3"}, "--shard '1-3'"),
         ({"bootstrap": "h:1", "round-timeout": 0}, "must be > 0"),
         ({}, "join needs --bootstrap"),

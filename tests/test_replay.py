@@ -126,7 +126,7 @@ def test_a_pace_agreed_with_a_round_spaces_the_later_sends_and_a_joiner_keeps_it
     sent_at = [int(r.split(":")[1]) for r in RecordsRounds.rounds_seen]
     # applied after step 4 before step 4's sends (apply, send, apply): slot 4 is already paced
     assert sent_at[0] == 2 and all(t % 6 == 0 for t in sent_at[1:]) and len(sent_at) > 4, sent_at
-    assert {s.schedule.spacing for s in paced._fragment_strategies().values()} == {6}
+    assert {w.strategy.schedule.spacing for w in paced.workers.values()} == {6}  # type: ignore[attr-defined]
     assert paced_hash != run(tmp_path, all_rounds, **options)  # sending less changes what is learnt
     # the same replay with shard 2 joining after step 20 (from shared state): slots stay 6 apart
     joins = [(0, 0), (1, 0), (2, 0), (2, 20)]

@@ -13,7 +13,8 @@ import torch
 from p2p_cocodc.algorithms.butterfly import slice_sizes
 from p2p_cocodc.algorithms.codecs import get_codec
 from p2p_cocodc.swarm.messages import Code, Group, Message, Part
-from p2p_cocodc.swarm.round import (
+from p2p_cocodc.swarm.round import RoundMachine
+from p2p_cocodc.swarm.round_events import (
     Accuse,
     BoardPeer,
     Completed,
@@ -21,7 +22,6 @@ from p2p_cocodc.swarm.round import (
     Deadlines,
     Failed,
     Received,
-    RoundMachine,
     Send,
     Settle,
     Start,

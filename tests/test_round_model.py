@@ -10,7 +10,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from p2p_cocodc.swarm.messages import Code, Status
-from p2p_cocodc.swarm.round import Effect, RoundMachine
+from p2p_cocodc.swarm.round import RoundMachine
+from p2p_cocodc.swarm.round_events import Effect
 from tests.round_model import draw_plan, explore
 
 SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "10000"))

@@ -17,7 +17,6 @@ Elsewhere the same calls run without streams: a CPU tensor is its own host copy.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import resource
 from collections.abc import Iterator
@@ -91,12 +90,6 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.tensor
-
-    async def ready(self) -> torch.Tensor:
-        """The host tensor, waited for in a worker thread so the event loop goes on."""
-        if self.done():
-            return self.tensor
-        return await asyncio.to_thread(self.wait)
 
 
 @dataclass

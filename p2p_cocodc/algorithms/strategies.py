@@ -1,4 +1,5 @@
-"""The strategies: what one replica does around its inner steps. Both drivers call them the same way.
+"""The strategies: what one replica does around its inner steps. Both drivers call them the same way
+(``run/loop.py``), whatever the algorithm: every strategy, ddp's included, is a ``ReplicaStrategy``.
 
 After inner step t a driver calls, in this order::
 
@@ -9,6 +10,10 @@ After inner step t a driver calls, in this order::
 The averaged Δ_p is the mean over replicas of the payloads; a driver gets it however it can (in
 memory, or over the swarm). Schedules only depend on data every replica holds identically, so all
 replicas send the same fragments at the same steps.
+
+A strategy whose ``averages_gradients`` is true (ddp) syncs no fragments: its replicas' gradients
+are averaged between backward and the optimizer step of every inner step instead
+(``gradient_payload`` → the average → ``apply_gradients``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_p
 from p2p_cocodc.algorithms.devices import DeviceCopy, Placement
 from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings, OuterStep
-from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, Schedule
+from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, Schedule, paced_spacing
 from p2p_cocodc.algorithms.state import expect_tensor
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import ALGORITHMS, DC_RULES
@@ -107,7 +112,51 @@ class PreparedResult:
     base: torch.Tensor  # the θ̄_p it was computed from: stale if θ̄_p changed since
 
 
-class Strategy:
+class ReplicaStrategy:
+    """What a driver asks of one replica's algorithm, ddp's included. The defaults are those of an
+    algorithm that syncs no fragments and keeps no state beyond its replica."""
+
+    averages_gradients = False  # every inner step: gradients averaged between backward and update
+    takes_state = True  # a replica may take over a live one's ``shared_state()`` (join a run under way)
+    fragments: list[Fragment]  # what it syncs (none: ddp)
+    in_flight: dict[int, PendingSync]  # its syncs sent and not yet applied
+
+    def sends_after(self, step: int) -> list[int]:
+        return []
+
+    def due(self, step: int) -> list[int]:
+        return []
+
+    def largest_round(self) -> int:
+        """Values averaged in the largest round this algorithm runs."""
+        raise NotImplementedError
+
+    def send_spacing(self) -> int | None:
+        """Steps between send slots now, for an algorithm whose schedule can be paced; else None."""
+        return None
+
+    def pace_wish(self, busy_per_round_s: float, step_time_s: float) -> int:
+        """The send-slot spacing a link busy ``busy_per_round_s`` per round keeps up with, for an
+        algorithm whose schedule can be paced (0: it cannot, or needs not)."""
+        return 0
+
+    def gradient_payload(self) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not average gradients")
+
+    def apply_gradients(self, averaged: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not average gradients")
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class Strategy(ReplicaStrategy):
     """One replica's DiLoCo-family state: θ̄ and outer momentum per fragment (fp32, on the CPU:
     ``devices.py``), syncs in flight. The replica may live on any device; ``placement`` moves
     fragments between it and the host."""
@@ -131,6 +180,9 @@ class Strategy:
 
     def sends_after(self, step: int) -> list[int]:
         return self.schedule.select(step, self.in_flight.keys())
+
+    def largest_round(self) -> int:
+        return max(outer.global_params.numel() for outer in self.outer)
 
     def payload(self, p: int, step: int) -> torch.Tensor:
         """Snapshot fragment p and return this replica's outer gradient Δ = θ̄_p − θ_p (waiting for
@@ -311,12 +363,21 @@ class CoCoDC(Strategy):
         decay_between: Callable[[int, int], float] | None = None,
         placement: Placement | None = None,
     ) -> None:
-        schedule = AdaptiveSchedule(settings.inner_steps, len(fragments), settings.transmissions)
-        super().__init__(model, fragments, schedule, settings.overlap, settings.outer, placement)
+        self.schedule: AdaptiveSchedule = AdaptiveSchedule(
+            settings.inner_steps, len(fragments), settings.transmissions
+        )
+        super().__init__(model, fragments, self.schedule, settings.overlap, settings.outer, placement)
         self.settings = settings
         self.decay_between = decay_between
         if settings.dc_wd_debias and decay_between is None:
             raise ValueError("weight-decay debias needs the inner LR schedule (decay_between)")
+
+    def send_spacing(self) -> int | None:
+        return self.schedule.spacing
+
+    def pace_wish(self, busy_per_round_s: float, step_time_s: float) -> int:
+        schedule = self.schedule
+        return paced_spacing(schedule.base_spacing, self.settings.inner_steps, busy_per_round_s, step_time_s)
 
     def merge(
         self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int
@@ -340,12 +401,22 @@ class CoCoDC(Strategy):
         return torch.lerp(compensated, current, s.dc_alpha) if s.dc_alpha else compensated
 
 
-class DataParallel:
-    """The ddp baseline: gradients averaged every step; θ̄ is the (identical) replica itself."""
+class DataParallel(ReplicaStrategy):
+    """The ddp baseline: gradients averaged every step; θ̄ is the (identical) replica itself. A run
+    under way cannot take a new replica: nothing but the replica and its AdamW state is shared."""
+
+    averages_gradients = True
+    takes_state = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.fragments = []
+        self.in_flight = {}
+
+    def largest_round(self) -> int:
+        """The whole model (every parameter, as the run's size counts them)."""
+        return sum(p.numel() for p in self.model.parameters())
 
     def gradient_payload(self) -> torch.Tensor:
         """The replica's gradients as one fp32 vector on the CPU (ddp blocks on every step anyway)."""
@@ -372,7 +443,7 @@ def make_strategy(
     settings: AlgoSettings,
     decay_between: Callable[[int, int], float] | None = None,
     placement: Placement | None = None,
-) -> Strategy | DataParallel:
+) -> ReplicaStrategy:
     """The strategy object of one replica for ``settings.algo``; the replica lives on
     ``placement``'s device (default: the CPU)."""
     if settings.algo == "ddp":

@@ -14,71 +14,46 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from p2p_cocodc.config.train import FIELDS, TrainConfig, build_config, load_toml
+from p2p_cocodc.cli.options import config_option, option, schema_options
+from p2p_cocodc.config.bootstrap import BOOTSTRAP
+from p2p_cocodc.config.join import SWARM
+from p2p_cocodc.config.train import FIELDS, TRAINING, TrainConfig, build_config, load_toml
 from p2p_cocodc.errors import Stopped, UserError
 
 if TYPE_CHECKING:  # imported where used: --help must not pay for hivemind and torch
     from p2p_cocodc.config.join import SwarmOptions
     from p2p_cocodc.ops.monitoring import PeerMetrics
 
-
-class Option(click.Option):
-    """click's option, but a default stated in words reads as it is written (click wraps it in
-    parentheses), so that every default in --help reads ``[default: …]``."""
-
-    def get_help_extra(self, ctx: click.Context) -> Any:
-        extra = super().get_help_extra(ctx)
-        if isinstance(self.show_default, str):
-            extra["default"] = self.show_default
-        return extra
-
-
-def option(*names: str, **kwargs: Any) -> Callable[..., Any]:
-    return click.option(*names, cls=Option, **kwargs)
-
-
 SIMULATOR_ONLY = ("events",)  # fields that mean nothing to a peer: not options of join
 
 
 def training_options(command: Callable[..., Any] | None = None, *, peer: bool = False) -> Any:
     """One click option per TrainConfig field, all defaulting to None so the file can fill them
-    (``peer``: leave out the simulator's own)."""
+    (``peer``: leave out the simulator's own), and --config."""
     if command is None:
         return lambda c: training_options(c, peer=peer)
-    for name, f in reversed(FIELDS.items()):
-        if peer and name in SIMULATOR_ONLY:
-            continue
-        flag = "--" + name.replace("_", "-")
-        shown = {"help": f.metadata["help"], "show_default": f.metadata["shown"]}
-        if str(f.type).startswith("bool"):
-            command = option(f"{flag}/--no-{flag[2:]}", name, default=None, **shown)(command)
-        else:
-            command = option(flag, name, default=None, metavar=_metavar(f), **shown)(command)
-    return option(
-        "--config",
-        "config_path",
-        type=click.Path(dir_okay=False),
-        default=None,
-        help="TOML profile with the same keys; command-line values override it",
-    )(command)
-
-
-# click's own names for its types, so that every option of every command reads alike
-METAVARS = {"int": "INTEGER", "float": "FLOAT", "str": "TEXT"}
-
-
-def _metavar(f: Any) -> str:
-    if f.metadata["choices"]:
-        return "[" + "|".join(f.metadata["choices"]) + "]" + (",..." if f.metadata["many"] else "")
-    if f.metadata["path"]:
-        return f.metadata["path"]
-    kind = METAVARS[str(f.type).split(" |")[0]]
-    return kind + ("|auto" if f.metadata["auto"] else "")
+    command = schema_options(TRAINING, skip=SIMULATOR_ONLY if peer else ())(command)
+    return config_option("TOML profile with the same keys; command-line values override it")(command)
 
 
 def _config_from(config_path: str | None, options: dict[str, Any]) -> Any:
     file_values = load_toml(config_path) if config_path else {}
     return build_config(file_values, {k: v for k, v in options.items() if v is not None})
+
+
+def _swarm_from(config_path: str | None, options: dict[str, Any]) -> SwarmOptions:
+    """join's own options: the profile's [swarm] table (its region by default the profile's file
+    name), then the command line."""
+    from p2p_cocodc.config.join import swarm_options
+    from p2p_cocodc.config.schema import read_toml
+    from p2p_cocodc.config.train import SWARM_TABLE
+    from p2p_cocodc.swarm.records import REGION_CHARS
+
+    swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
+    stem = Path(config_path).stem if config_path is not None else ""
+    if "region" not in swarm_file and 0 < len(stem) <= 32 and set(stem) <= REGION_CHARS:
+        swarm_file = {**swarm_file, "region": stem}  # peers/us-east.toml: us-east
+    return swarm_options(swarm_file, options)
 
 
 def check_output_paths(cfg: TrainConfig) -> None:
@@ -212,75 +187,7 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
 
 @cli.command()
 @training_options(peer=True)
-@option(
-    "--bootstrap",
-    default=None,
-    metavar="HOST:PORT|MULTIADDR",
-    help="the bootstrap's HOST:PORT as it printed it (HOST alone: port 31338), or its multiaddr",
-)
-@option("--run-id", default=None, help="runs sharing one DHT stay apart", show_default="default")
-@option("--host", default=None, metavar="HOST", help="address this peer listens on", show_default="127.0.0.1")
-@option("--port", type=int, default=None, help="libp2p port", show_default="0, any free one")
-@option("--announce", default=None, metavar="HOST", help="address other peers dial", show_default="--host")
-@option("--shard", default=None, metavar="I/N", help="read data shard I of N", show_default="a free one")
-@option(
-    "--identity",
-    default=None,
-    metavar="FILE",
-    help="private key file, created if missing: a restarted peer keeps its id",
-    show_default="a new id each run",
-)
-@option(
-    "--swarm-key-file",
-    default=None,
-    metavar="FILE",
-    help="admit only holders of this key (made by `p2p-cocodc keygen`)",
-    show_default="an open run",
-)
-@option(
-    "--owner",
-    default=None,
-    metavar="OWNER_ID",
-    help="admit only peers certified by this owner (the id `p2p-cocodc keygen --owner` printed)",
-)
-@option(
-    "--certificate",
-    default=None,
-    metavar="FILE",
-    help="with --owner: this peer's certificate (from the owner's `p2p-cocodc admit`; needs --identity)",
-)
-@option(
-    "--wait-peers", type=float, default=None, help="seconds to wait for --workers peers", show_default="300"
-)
-@option(
-    "--round-timeout",
-    type=float,
-    default=None,
-    help="seconds a sync may take beyond what measured step times predict",
-    show_default="60",
-)
-@option(
-    "--pace",
-    type=click.Choice(["link", "fixed"]),
-    default=None,
-    help="link: when this peer's link cannot carry cocodc's sends, ask the swarm to send less "
-    "(every peer takes the pace a round agreed); fixed: never ask",
-    show_default="link",
-)
-@option(
-    "--region",
-    default=None,
-    metavar="NAME",
-    help="this peer's name in progress bars, status and metrics",
-    show_default="the --config profile's file name, else the peer id",
-)
-@option(
-    "--metrics-port",
-    type=int,
-    default=None,
-    help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (docs/monitoring.md)",
-    show_default="none",
-)
+@schema_options(SWARM)
 @option(
     "--check",
     is_flag=True,
@@ -296,30 +203,22 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
     options in a [swarm] table (command-line values win)."""
     import logging
 
-    from p2p_cocodc.config.train import SWARM_TABLE, read_toml
     from p2p_cocodc.ops.logs import configure_logging
 
     configure_logging(logging.INFO if verbose else logging.WARNING)
-    swarm_cli = {k: options.pop(k) for k in list(options) if k not in FIELDS}
+    swarm_cli = {k: options.pop(k) for k in list(options) if k in SWARM.fields}
     cfg = _config_from(config_path, options)
     if cfg.events is not None:
         raise UserError("join: --events replays a swarm run in the simulator: use it with simulate")
     check_output_paths(cfg)
+    opts = _swarm_from(config_path, swarm_cli)
+    if check:
+        sys.exit(preflight(cfg, opts))
 
-    # hivemind: imported once the options are known good
-    from p2p_cocodc.config.join import swarm_options
+    # hivemind and torch: imported once the options are known good
     from p2p_cocodc.peer.node import Peer
     from p2p_cocodc.peer.region import Region, follow_region
     from p2p_cocodc.run.checkpoint import find_resume_point
-    from p2p_cocodc.swarm.records import REGION_CHARS
-
-    swarm_file = read_toml(config_path).get(SWARM_TABLE, {}) if config_path else {}
-    stem = Path(config_path).stem if config_path is not None else ""
-    if "region" not in swarm_file and 0 < len(stem) <= 32 and set(stem) <= REGION_CHARS:
-        swarm_file = {**swarm_file, "region": stem}  # peers/us-east.toml: us-east
-    opts = swarm_options(swarm_file, swarm_cli)
-    if check:
-        sys.exit(preflight(cfg, opts))
     from p2p_cocodc.swarm.dht import check_listen_address
 
     region = Region.from_env()  # under torchrun: this region's replica is trained by several processes
@@ -420,85 +319,16 @@ def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
 
 
 @cli.command()
-@option(
-    "--identity",
-    default="bootstrap.id",
-    show_default=True,
-    help="private key file, created on first run; keeps the peer id (and so the join address) stable",
-)
-@option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: all)")
-@option(
-    "--port",
-    type=int,
-    default=31337,
-    show_default=True,
-    help="libp2p port; fixed so restarts keep the address",
-)
-@option("--announce", default=None, metavar="HOST", help="public address peers dial", show_default="--host")
-@option(
-    "--address-file", default="bootstrap.json", show_default=True, help="write the join addresses here (JSON)"
-)
-@option(
-    "--status-host", default=None, metavar="HOST", help="address of the HTTP server", show_default="--host"
-)
-@option(
-    "--status-port",
-    type=int,
-    default=31338,
-    show_default=True,
-    help="HTTP port serving /address (for join --bootstrap HOST:PORT), /status and /health",
-)
-@option("--refresh", type=float, default=1.0, show_default=True, help="seconds between reads of swarm status")
-@option(
-    "--swarm-key-file",
-    default=None,
-    metavar="FILE",
-    help="accept records only from holders of this key (made by `p2p-cocodc keygen`)",
-    show_default="open",
-)
-@option(
-    "--owner",
-    default=None,
-    metavar="OWNER_ID",
-    help="accept records only from peers this owner certified (`p2p-cocodc keygen --owner`)",
-)
-@option(
-    "--metrics-port",
-    type=int,
-    default=None,
-    help="serve Prometheus metrics of the swarm's runs at http://HOST:PORT/metrics, HOST being "
-    "--status-host (docs/monitoring.md)",
-    show_default="none",
-)
-def bootstrap(
-    identity: str,
-    host: str,
-    port: int,
-    announce: str | None,
-    address_file: str,
-    status_host: str | None,
-    status_port: int,
-    refresh: float,
-    swarm_key_file: str | None,
-    owner: str | None,
-    metrics_port: int | None,
-) -> None:
+@config_option("TOML file with these options as keys; command-line values override it")
+@schema_options(BOOTSTRAP)
+def bootstrap(config_path: str | None, **options: Any) -> None:
     """Run the swarm's bootstrap node: the DHT address peers join through, plus a status page."""
-    from p2p_cocodc.ops.bootstrap import BootstrapOptions, run_bootstrap
+    from p2p_cocodc.config.bootstrap import bootstrap_options
+    from p2p_cocodc.config.schema import read_toml
+    from p2p_cocodc.ops.bootstrap import run_bootstrap
 
-    opts = BootstrapOptions(
-        identity=identity,
-        host=host,
-        port=port,
-        announce=announce,
-        address_file=address_file,
-        status_host=status_host,
-        status_port=status_port,
-        refresh_s=refresh,
-        swarm_key_file=swarm_key_file,
-        owner=owner,
-        metrics_port=metrics_port,
-    )
+    file_values = read_toml(config_path) if config_path else {}
+    opts = bootstrap_options(file_values, options, f"--config {config_path}")
     code = run_bootstrap(opts)
     if code:
         sys.exit(code)
@@ -523,37 +353,27 @@ def status(bootstrap: str, run_id: str | None, once: bool, refresh: float) -> No
     watch_status(bootstrap, run_id, once, refresh)
 
 
-def _demo_option(name: str, **kwargs: Any) -> Callable[..., Any]:
-    """A join option the demo passes through, with join's help text and default (the one schema's)."""
-    f = FIELDS[name]
-    if f.metadata["choices"]:
-        kwargs["type"] = click.Choice(f.metadata["choices"])
-    return option(
-        "--" + name.replace("_", "-"),
-        name,
-        default=None,
-        metavar=_metavar(f),
-        help=f.metadata["help"],
-        show_default=f.metadata["shown"],
-        **kwargs,
-    )
+# the training options the demo passes on to every peer's join, with join's help and defaults
+DEMO_OPTIONS = (
+    "algo",
+    "model",
+    "steps",
+    "inner_steps",
+    "fragments",
+    "overlap",
+    "eval_every",
+    "eval_batches",
+    "tokenizer",
+    "seq_len",
+    "batch_size",
+    "device",
+    "precision",
+)
 
 
 @cli.command()
 @option("--workers", "peers", type=click.IntRange(1, 16), default=3, show_default=True, help="peers to start")
-@_demo_option("algo")
-@_demo_option("model")
-@_demo_option("steps", type=int)
-@_demo_option("inner_steps", type=int)
-@_demo_option("fragments", type=int)
-@_demo_option("overlap")
-@_demo_option("eval_every", type=int)
-@_demo_option("eval_batches", type=int)
-@_demo_option("tokenizer")
-@_demo_option("seq_len", type=int)
-@_demo_option("batch_size", type=int)
-@_demo_option("device")
-@_demo_option("precision")
+@schema_options(TRAINING, only=DEMO_OPTIONS)
 @option(
     "--workdir",
     type=click.Path(),

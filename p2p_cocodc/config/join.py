@@ -1,14 +1,21 @@
 """How a peer finds and joins the swarm: ``join``'s own options, beside the training options
-(``config/train.py``), from the command line or a profile's [swarm] table."""
+(``config/train.py``), declared in the one option schema (``config/schema.py``): from the command
+line, the environment or a profile's [swarm] table."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from p2p_cocodc.config.schema import REQUIRED, Schema, opt
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.swarm.dht import listen_maddrs
-from p2p_cocodc.swarm.records import REGION_CHARS, check_run_id
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit():
+        raise UserError(f"--shard {text!r}: write it as I/N, for example 0/3")
+    return int(index), int(count)
 
 
 @dataclass(frozen=True)
@@ -17,28 +24,76 @@ class SwarmOptions:
     ``pace="link"`` lets this peer ask the swarm to send less when its link cannot keep up: a change
     every peer takes at the same step (``Peer._pace_wish``), recorded for ``simulate --events``."""
 
-    bootstrap: str
-    run_id: str = "default"
-    host: str = "127.0.0.1"
-    port: int = 0
-    announce: str | None = None
-    shard: tuple[int, int] | None = None
-    identity: str | None = None
-    swarm_key_file: str | None = None
-    owner: str | None = None
-    certificate: str | None = None
-    wait_peers_s: float = 300.0
-    round_timeout_s: float = 60.0
-    heartbeat_s: float = 1.0
-    pace: str = "link"
-    region: str | None = None  # the name operators see (bars, status, metrics); None: the peer id
-    metrics_port: int | None = None  # serve Prometheus metrics here (``monitoring.py``); None: none
+    bootstrap: str = opt(
+        REQUIRED,
+        "the bootstrap's HOST:PORT as it printed it (HOST alone: port 31338), or its multiaddr",
+        metavar="HOST:PORT|MULTIADDR",
+    )
+    run_id: str = opt("default", "runs sharing one DHT stay apart")
+    host: str = opt("127.0.0.1", "address this peer listens on", metavar="HOST")
+    port: int = opt(0, "libp2p port", shown="0, any free one")
+    announce: str | None = opt(None, "address other peers dial", metavar="HOST", shown="--host")
+    shard: tuple[int, int] | None = opt(
+        None, "read data shard I of N", metavar="I/N", shown="a free one", parse=parse_shard
+    )
+    identity: str | None = opt(
+        None,
+        "private key file, created if missing: a restarted peer keeps its id",
+        metavar="FILE",
+        shown="a new id each run",
+    )
+    swarm_key_file: str | None = opt(
+        None,
+        "admit only holders of this key (made by `p2p-cocodc keygen`)",
+        metavar="FILE",
+        shown="an open run",
+    )
+    owner: str | None = opt(
+        None,
+        "admit only peers certified by this owner (the id `p2p-cocodc keygen --owner` printed)",
+        metavar="OWNER_ID",
+    )
+    certificate: str | None = opt(
+        None,
+        "with --owner: this peer's certificate (from the owner's `p2p-cocodc admit`; needs --identity)",
+        metavar="FILE",
+    )
+    wait_peers_s: float = opt(300.0, "seconds to wait for --workers peers", shown="300", flag="wait-peers")
+    round_timeout_s: float = opt(
+        60.0,
+        "seconds a sync may take beyond what measured step times predict",
+        shown="60",
+        flag="round-timeout",
+    )
+    heartbeat_s: float = 1.0  # not an option: how often the board is read and written
+    pace: str = opt(
+        "link",
+        "link: when this peer's link cannot carry cocodc's sends, ask the swarm to send less "
+        "(every peer takes the pace a round agreed); fixed: never ask",
+        ("link", "fixed"),
+    )
+    # the name operators see (bars, status, metrics); None: the peer id
+    region: str | None = opt(
+        None,
+        "this peer's name in progress bars, status and metrics",
+        metavar="NAME",
+        shown="the --config profile's file name, else the peer id",
+    )
+    # serve Prometheus metrics here (``ops/monitoring.py``); None: none
+    metrics_port: int | None = opt(
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (docs/monitoring.md)",
+    )
 
     def __post_init__(self) -> None:
+        """Raise UserError naming the option to fix: a bad address now, not after the model is built."""
+        from p2p_cocodc.swarm.dht import listen_maddrs
+        from p2p_cocodc.swarm.records import check_run_id
+
         check_run_id(self.run_id)
         check_region(self.region)
         if self.pace not in ("link", "fixed"):
-            raise UserError(f"pace {self.pace!r}: use 'link' or 'fixed'")
+            raise UserError(f"--pace {self.pace!r}: use 'link' or 'fixed'")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise UserError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 ≤ I < N")
         if self.port and self.port == self.metrics_port:
@@ -46,7 +101,7 @@ class SwarmOptions:
         for name in ("wait_peers_s", "round_timeout_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"--{name.replace('_s', '').replace('_', '-')} must be > 0 seconds")
-        listen_maddrs(self.host, self.port)  # a bad address now, not after the model is built
+        listen_maddrs(self.host, self.port)
         if self.announce is not None:
             listen_maddrs(self.announce, self.port, "--announce")
 
@@ -58,58 +113,25 @@ class SwarmOptions:
             )
 
 
-SWARM_KEYS = {
-    "bootstrap": str,
-    "run_id": str,
-    "host": str,
-    "port": int,
-    "announce": str,
-    "shard": str,
-    "identity": str,
-    "swarm_key_file": str,
-    "owner": str,
-    "certificate": str,
-    "wait_peers": float,
-    "round_timeout": float,
-    "pace": str,
-    "region": str,
-    "metrics_port": int,
-}
+SWARM = Schema(SwarmOptions)
 
 
 def swarm_options(file_values: dict[str, Any], cli_values: dict[str, Any]) -> SwarmOptions:
-    """Defaults, then the profile's [swarm] table, then the command line."""
-    merged: dict[str, Any] = {}
-    for key, value in file_values.items():
-        name = key.replace("-", "_")
-        kind = SWARM_KEYS.get(name)
-        if kind is None:
-            raise UserError(f"[swarm] table: unknown key {key!r}; valid keys: {', '.join(SWARM_KEYS)}")
-        allowed = (int, float) if kind is float else (kind,)
-        if not isinstance(value, allowed) or isinstance(value, bool):
-            expected = {str: "a string", int: "an integer", float: "a number"}[kind]
-            raise UserError(f"[swarm] {key} must be {expected}, got {value!r}")
-        merged[name] = value
-    merged.update({k: v for k, v in cli_values.items() if v is not None})
+    """Defaults, then the profile's [swarm] table, then the command line (and the environment),
+    by key (``wait_peers``, as click names it); None on the command line: not given."""
+    merged = {
+        **SWARM.read_table(file_values, "[swarm] table"),
+        **SWARM.given({k: v for k, v in cli_values.items() if v is not None}),
+    }
     if "bootstrap" not in merged:
         raise UserError(
             "join needs --bootstrap (the bootstrap's HOST:PORT or multiaddr), or bootstrap in [swarm]"
         )
-    shard = merged.pop("shard", None)
-    renamed = {"wait_peers": "wait_peers_s", "round_timeout": "round_timeout_s"}
-    return SwarmOptions(
-        shard=parse_shard(shard) if shard is not None else None,
-        **{renamed.get(k, k): (float(v) if k in renamed else v) for k, v in merged.items()},
-    )
+    return SwarmOptions(**merged)
 
 
 def check_region(region: str | None) -> None:
+    from p2p_cocodc.swarm.records import REGION_CHARS
+
     if region is not None and not (0 < len(region) <= 32 and set(region) <= REGION_CHARS):
         raise UserError(f"--region {region!r}: use 1-32 letters, digits, '-', '_' or '.'")
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    index, sep, count = text.partition("/")
-    if not sep or not index.isdigit() or not count.isdigit():
-        raise UserError(f"--shard {text!r}: write it as I/N, for example 0/3")
-    return int(index), int(count)

@@ -1,18 +1,19 @@
-"""One config schema for both drivers: CLI options, TOML files and validation all come from it.
-
-Each field of ``TrainConfig`` is a ``--dashed-name`` option and a TOML key (dashes or underscores).
-Values given on the command line override the file; everything is validated before any work starts.
+"""The training options, shared by both drivers (``simulate`` and ``join``): declared once in the
+option schema (``config/schema.py``), so each is a ``--dashed-name`` option, a TOML key (dashes or
+underscores) and an environment variable. Values given on the command line override the file;
+everything is validated before any work starts.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import tomllib
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from p2p_cocodc.config.derived import Link, check_sync, sync_shape
+from p2p_cocodc.config.schema import AUTO, Schema, opt, read_toml
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import AGGREGATES, ALGORITHMS, CODEC_NAMES, DC_RULES, LOG_SINKS, PRECISIONS, TOKENIZERS
 
@@ -21,139 +22,108 @@ if TYPE_CHECKING:  # the settings classes live with torch code: imported when fi
     from p2p_cocodc.algorithms.inner import InnerSettings
     from p2p_cocodc.algorithms.strategies import AlgoSettings
 
-AUTO = "auto"
 MAX_SEQ_LEN = 65536  # tokens: the position table and attention of longer sequences would not fit
-BLOCKING = ("ddp", "diloco")  # algorithms that wait for every sync: no overlap
-
-
-def _opt(
-    default: Any,
-    help: str,
-    choices: tuple[str, ...] | None = None,
-    auto: bool = False,
-    computes: bool = True,
-    shown: str | None = None,
-    path: str | None = None,
-    many: bool = False,
-) -> Any:
-    """A field with its help text, allowed string values, whether it accepts 'auto', and whether it
-    changes what a run computes or records (``computes``: False for output paths, checkpoint
-    settings and thread count, which a resumed run may change). ``shown``: the default as --help
-    states it, where the value itself (None) says nothing; ``path``: FILE, DIR or PATH for an
-    option that names one; ``many``: a comma-separated list of ``choices``."""
-    metadata = {
-        "help": help,
-        "choices": choices,
-        "auto": auto,
-        "computes": computes,
-        "shown": str(default) if shown is None else shown,
-        "path": path,
-        "many": many,
-    }
-    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     # algorithm
-    algo: str = _opt("cocodc", "algorithm", ALGORITHMS)
-    workers: int = _opt(4, "number of replicas M (simulated workers, or peers of a swarm)")
-    max_peers: int | None = _opt(
+    algo: str = opt("cocodc", "algorithm", ALGORITHMS)
+    workers: int = opt(4, "number of replicas M (simulated workers, or peers of a swarm)")
+    max_peers: int | None = opt(
         None,
         "P: at most this many peers take part, joiners included; the train data is cut into P shards",
         shown="--workers",
     )
     # steps, model and eval-every default to a quick run (simulate: about 40 s on 2 idle cores); the
     # long study is profiles/study.toml, a swarm's real run its peers/*.toml profile
-    steps: int = _opt(192, "inner steps T per replica")
-    inner_steps: int = _opt(48, "H: inner steps between two syncs of the same fragment")
-    fragments: int = _opt(4, "K: number of fragments (units: embedding, each block, final norm)")
-    pattern: str = _opt("strided", "how units map to fragments", ("strided", "sequential"))
-    overlap: int | str | None = _opt(
+    steps: int = opt(192, "inner steps T per replica")
+    inner_steps: int = opt(48, "H: inner steps between two syncs of the same fragment")
+    fragments: int = opt(4, "K: number of fragments (units: embedding, each block, final norm)")
+    pattern: str = opt("strided", "how units map to fragments", ("strided", "sequential"))
+    overlap: int | str | None = opt(
         None,
         "τ: a sync started after step t is applied after step t+τ; 'auto' = "
         "smallest τ that hides the transfer",
         auto=True,
         shown="H/4 for streaming and cocodc (12 at H = 48), 0 for diloco and ddp",
     )
-    alpha: float = _opt(0.5, "streaming merge: θ ← α·θ(now) + (1−α)·new global")
-    dc_lambda: float = _opt(1.0, "λ0 of CoCoDC's Taylor delay compensation (0 = re-apply local progress)")
-    dc_rule: str = _opt(
-        "tensor", "compensation rule: per-tensor adaptive λ, or per-step with λ cap", DC_RULES
-    )
-    dc_lambda_max: float = _opt(10.0, "λ cap of the per-step rule")
-    dc_wd_debias: bool = _opt(False, "per-step rule: take decoupled weight decay out of the local progress")
+    alpha: float = opt(0.5, "streaming merge: θ ← α·θ(now) + (1−α)·new global")
+    dc_lambda: float = opt(1.0, "λ0 of CoCoDC's Taylor delay compensation (0 = re-apply local progress)")
+    dc_rule: str = opt("tensor", "compensation rule: per-tensor adaptive λ, or per-step with λ cap", DC_RULES)
+    dc_lambda_max: float = opt(10.0, "λ cap of the per-step rule")
+    dc_wd_debias: bool = opt(False, "per-step rule: take decoupled weight decay out of the local progress")
     # the damped rule with λ0 1 (docs/convergence-bar-b.md: chosen on seeds 3-4, judged on 0-2); the
     # authors' rule is --dc-alpha 0 --dc-lambda 0.5
-    dc_alpha: float = _opt(
+    dc_alpha: float = opt(
         0.5,
         "cocodc: apply only (1 − α) of the compensated jump, θ ← α·θ(now) + (1−α)·DC (τ = 0: streaming α)",
     )
-    transmissions: int | str | None = _opt(
+    transmissions: int | str | None = opt(
         None,
         "N: fragment sends per H steps for cocodc ('auto' = what the link carries)",
         auto=True,
         shown="K",
     )
     # outer optimizer
-    outer_lr: float = _opt(0.7, "outer Nesterov learning rate η")
-    outer_momentum: float = _opt(0.9, "outer Nesterov momentum μ")
-    gap_penalty: float = _opt(1.0, "CO2 staleness gap penalty Λ: outer gradient divided by Λ")
-    momentum_clip: float | None = _opt(None, "CO2 outer-momentum clipping φ", shown="off")
-    codec: str = _opt("fp32", "wire format of exchanged outer gradients", CODEC_NAMES)
+    outer_lr: float = opt(0.7, "outer Nesterov learning rate η")
+    outer_momentum: float = opt(0.9, "outer Nesterov momentum μ")
+    gap_penalty: float = opt(1.0, "CO2 staleness gap penalty Λ: outer gradient divided by Λ")
+    momentum_clip: float | None = opt(None, "CO2 outer-momentum clipping φ", shown="off")
+    codec: str = opt("fp32", "wire format of exchanged outer gradients", CODEC_NAMES)
     # what the owner of a butterfly slice makes of its members' slices (docs/algorithms.md)
-    aggregate: str = _opt(
+    aggregate: str = opt(
         "mean", "how each slice owner combines the members it keeps after screening", AGGREGATES
     )
-    outlier_norm: float = _opt(
+    outlier_norm: float = opt(
         4.0, "screening (3+ members): leave out a slice longer than this × the members' median norm"
     )
-    outlier_cosine: float = _opt(
+    outlier_cosine: float = opt(
         0.0,
         "screening (3+ members): leave out a slice whose cosine to the coordinate-wise median is "
         "below this (-1: no cosine test)",
     )
     # inner optimizer
-    lr: float = _opt(1e-3, "inner AdamW peak learning rate")
-    warmup: int = _opt(50, "inner LR warmup steps")
-    weight_decay: float = _opt(0.1, "inner AdamW weight decay")
-    grad_clip: float = _opt(1.0, "inner gradient-norm clip (0 = off)")
+    lr: float = opt(1e-3, "inner AdamW peak learning rate")
+    warmup: int = opt(50, "inner LR warmup steps")
+    weight_decay: float = opt(0.1, "inner AdamW weight decay")
+    grad_clip: float = opt(1.0, "inner gradient-norm clip (0 = off)")
     # model and data
-    model: str = _opt(
+    model: str = opt(
         "micro",
         "model preset (nano, micro, tiny, small, base), hf:PATH (a local Hugging Face causal LM and its "
         "tokenizer; needs pip install -e '.[hf]') or module:factory",
     )
-    data: str | None = _opt(
-        None, "UTF-8 text file or folder of .txt files", shown="the embedded corpus", path="PATH"
+    data: str | None = opt(
+        None, "UTF-8 text file or folder of .txt files", shown="the embedded corpus", metavar="PATH"
     )
-    tokenizer: str = _opt("bpe4096", "tokenizer (an hf: model uses the one in its folder)", TOKENIZERS)
-    seq_len: int = _opt(128, "tokens per training sequence")
-    batch_size: int = _opt(8, "sequences per inner step per replica")
-    seed: int = _opt(0, "seed of the model init (data order is seeded by it too)")
+    tokenizer: str = opt("bpe4096", "tokenizer (an hf: model uses the one in its folder)", TOKENIZERS)
+    seq_len: int = opt(128, "tokens per training sequence")
+    batch_size: int = opt(8, "sequences per inner step per replica")
+    seed: int = opt(0, "seed of the model init (data order is seeded by it too)")
     # WAN model (simulator)
-    latency_ms: float = _opt(100.0, "one-way link latency in milliseconds (a peer: its link as declared)")
-    bandwidth_mbps: float = _opt(
+    latency_ms: float = opt(100.0, "one-way link latency in milliseconds (a peer: its link as declared)")
+    bandwidth_mbps: float = opt(
         50.0, "link bandwidth in megabits per second (a peer: its link as declared, until measured)"
     )
-    step_time: float | None = _opt(
+    step_time: float | None = opt(
         None, "seconds per inner step (the simulator's clock; a peer's 'auto' τ and N)", shown="measured"
     )
     # evaluation and output
-    eval_every: int = _opt(24, "evaluate θ̄ every E inner steps")
-    eval_batches: int = _opt(16, "validation batches per evaluation")
-    out: str | None = _opt(None, "write JSON-lines records here", computes=False, shown="none", path="FILE")
-    save: str | None = _opt(
+    eval_every: int = opt(24, "evaluate θ̄ every E inner steps")
+    eval_batches: int = opt(16, "validation batches per evaluation")
+    out: str | None = opt(None, "write JSON-lines records here", computes=False, shown="none", metavar="FILE")
+    save: str | None = opt(
         None,
         "write the trained model θ̄ as a folder here: weights, config and tokenizer, for `p2p-cocodc "
         "generate` and `eval` (hf: models: also a from_pretrained folder); a run that did not finish "
         "writes DIR.partial-step-T",
         computes=False,
         shown="none",
-        path="DIR",
+        metavar="DIR",
     )
-    force: bool = _opt(False, "replace an existing --out file or --save folder", computes=False)
-    log_to: str | None = _opt(
+    force: bool = opt(False, "replace an existing --out file or --save folder", computes=False)
+    log_to: str | None = opt(
         None,
         "also log evaluations and the summary to TensorBoard and/or Weights & Biases (offline unless "
         "WANDB_MODE or a W&B login says otherwise); a comma list for both",
@@ -162,47 +132,47 @@ class TrainConfig:
         shown="neither",
         many=True,
     )
-    log_dir: str | None = _opt(
+    log_dir: str | None = opt(
         None,
         "with --log-to: each run logs into a folder of its own in here",
         computes=False,
         shown="runs",
-        path="DIR",
+        metavar="DIR",
     )
-    threads: int | None = _opt(None, "torch CPU threads", computes=False, shown="torch's choice")
+    threads: int | None = opt(None, "torch CPU threads", computes=False, shown="torch's choice")
     # where the replica computes (a region's own choice: peers on different hardware train together)
-    device: str = _opt(
+    device: str = opt(
         "auto",
         "device of the replica's inner training: auto (the first CUDA device if any, else the CPU), cpu, "
         "cuda, cuda:N, mps; θ̄ and the outer step stay on the CPU",
         computes=False,
     )
-    precision: str = _opt(
+    precision: str = opt(
         "fp32", "inner forward/backward precision (bf16: autocast; weights and AdamW stay fp32)", PRECISIONS
     )
     # replay (simulate only)
-    events: str | None = _opt(
+    events: str | None = opt(
         None,
         "replay a swarm run: a peer's --out file, whose round records say which workers each round "
         "averaged and which rounds failed",
         shown="none",
-        path="FILE",
+        metavar="FILE",
     )
     # checkpoints
-    checkpoint_dir: str | None = _opt(
+    checkpoint_dir: str | None = opt(
         None,
         "checkpoint the run into this folder; the newest 3 are kept",
         computes=False,
         shown="no checkpoints",
-        path="DIR",
+        metavar="DIR",
     )
-    checkpoint_every: int = _opt(
+    checkpoint_every: int = opt(
         0,
         "with --checkpoint-dir: also checkpoint every E inner steps (0: only at the end and on "
         "SIGINT/SIGTERM)",
         computes=False,
     )
-    resume: bool = _opt(
+    resume: bool = opt(
         False,
         "continue bit-exactly from the newest checkpoint in --checkpoint-dir (same options)",
         computes=False,
@@ -273,16 +243,7 @@ class TrainConfig:
                 f"--{_dash(changed[0])} applies to outer gradients: ddp averages every step's gradients "
                 "as they are (too noisy to screen); leave it out"
             )
-        if self.algo == "ddp" and self.overlap not in (None, 0):
-            raise UserError(
-                f"--overlap {self.overlap}: ddp averages every step's gradients before the next step, "
-                "nothing overlaps; leave --overlap out"
-            )
-        if self.algo == "cocodc" and self.transmissions is None and self.fragments > self.inner_steps:
-            raise UserError(
-                f"--fragments {self.fragments} must be ≤ --inner-steps {self.inner_steps} for cocodc "
-                "(--transmissions defaults to --fragments)"
-            )
+        check_sync(self.algo, self.inner_steps, self.fragments, self.overlap, self.transmissions)
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"--device {self.device!r}: use auto, cpu, cuda, cuda:N or mps")
         if self.data is not None and not Path(self.data).exists():
@@ -307,28 +268,35 @@ class TrainConfig:
             f.name: getattr(self, f.name) for f in fields(self) if f.metadata["computes"] and f.name != "data"
         }
 
-    def algo_settings(self, overlap: int | None = None, transmissions: int | None = None) -> AlgoSettings:
-        """The core's settings; ``overlap``/``transmissions`` resolve 'auto' once the link is known."""
+    def algo_settings(
+        self, overlap: int | None = None, transmissions: int | None = None, link: Link | None = None
+    ) -> AlgoSettings:
+        """The core's settings, τ and N from ``config/derived.py``: 'auto' is worked out from ``link``,
+        or replaced by ``overlap``/``transmissions`` where given."""
         from p2p_cocodc.algorithms.outer import OuterSettings
         from p2p_cocodc.algorithms.strategies import AlgoSettings
 
-        tau = self.overlap if overlap is None else overlap
-        if tau is None:  # each algorithm's own default
-            tau = 0 if self.algo in BLOCKING else self.inner_steps // 4
-        n = self.transmissions if transmissions is None else transmissions
+        tau, n = sync_shape(
+            self.algo,
+            self.inner_steps,
+            self.fragments,
+            self.overlap if overlap is None else overlap,
+            self.transmissions if transmissions is None else transmissions,
+            link,
+        )
         return AlgoSettings(
             algo=self.algo,
             inner_steps=self.inner_steps,
             fragments=self.fragments,
             pattern=self.pattern,
-            overlap=int(tau),
+            overlap=tau,
             alpha=self.alpha,
             dc_lambda=self.dc_lambda,
             dc_rule=self.dc_rule,
             dc_lambda_max=self.dc_lambda_max,
             dc_wd_debias=self.dc_wd_debias,
             dc_alpha=self.dc_alpha,
-            transmissions=self.fragments if n is None else int(n),
+            transmissions=n,
             outer=OuterSettings(
                 lr=self.outer_lr,
                 momentum=self.outer_momentum,
@@ -366,89 +334,18 @@ def _dash(name: str) -> str:
     return name.replace("_", "-")
 
 
-FIELDS = {f.name: f for f in fields(TrainConfig)}
-
-
-def coerce(name: str, value: Any) -> Any:
-    """Convert a TOML or CLI value to the field's type, or say what is wrong with it."""
-    f = FIELDS[name]
-    kind = str(f.type)
-    choices = f.metadata["choices"]
-    option = f"--{_dash(name)}"
-    if value is None and "None" in kind:
-        return None
-    if isinstance(value, str) and value == AUTO and f.metadata["auto"]:
-        return AUTO
-    if f.metadata["many"]:
-        return _choose_many(option, value, choices)
-    try:
-        if kind.startswith("bool"):
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "1", "yes", "on"):
-                return True
-            if str(value).lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        if kind.startswith("int"):
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if kind.startswith("float"):
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-    except (TypeError, ValueError):
-        expected = kind.split(" |")[0] + (" or 'auto'" if f.metadata["auto"] else "")
-        raise UserError(f"{option} must be {expected}, got {value!r}") from None
-    value = str(value)
-    if choices and value not in choices:
-        raise UserError(f"unknown {option} {value!r}: use one of {', '.join(choices)}")
-    return value
-
-
-def _choose_many(option: str, value: Any, choices: tuple[str, ...]) -> str:
-    """A comma list (or a TOML list) of ``choices``, each once, as one comma-separated string."""
-    items = value if isinstance(value, list) else str(value).split(",")
-    names = [str(item).strip() for item in items]
-    for name in names:
-        if name not in choices:
-            raise UserError(f"unknown {option} {name!r}: use {' or '.join(choices)}, or a comma list of them")
-    return ",".join(dict.fromkeys(names))
-
-
+TRAINING = Schema(TrainConfig)
+FIELDS = TRAINING.fields  # by field name: every training option's key is its field's name
+coerce = TRAINING.coerce
 SWARM_TABLE = "swarm"  # a region's profile may carry its join options in a [swarm] table
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    """A config file parsed, or UserError saying what is wrong with it."""
-    try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"--config {path}: no such file") from None
-    except OSError as exc:
-        raise UserError(f"--config {path}: cannot read it ({exc.strerror})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"--config {path} is not valid TOML ({exc}): fix the file") from None
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read the training options of a config file: keys are option names with dashes or
     underscores. A [swarm] table is left to ``join`` (the simulator ignores it)."""
-    values = {}
-    for key, value in read_toml(path).items():
-        if key == SWARM_TABLE and isinstance(value, dict):
-            continue
-        name = key.replace("-", "_")
-        if name not in FIELDS:
-            raise UserError(
-                f"--config {path}: unknown key {key!r}; valid keys: {', '.join(_dash(n) for n in FIELDS)}"
-            )
-        values[name] = coerce(name, value)
-    return values
+    return TRAINING.read_table(read_toml(path), f"--config {path}", skip=(SWARM_TABLE,))
 
 
 def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> TrainConfig:
     """Defaults, then the file, then the command line; validated."""
-    merged = {**file_values, **{k: coerce(k, v) for k, v in cli_values.items()}}
-    return replace(TrainConfig(), **merged).validate()
+    return replace(TrainConfig(), **{**file_values, **TRAINING.given(cli_values)}).validate()

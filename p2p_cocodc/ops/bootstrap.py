@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -24,16 +23,16 @@ import sys
 import threading
 import time
 from contextlib import ExitStack, suppress
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from p2p_cocodc.config.bootstrap import BootstrapOptions
 from p2p_cocodc.errors import UserError, listen_failed
 from p2p_cocodc.ops.logs import configure_logging
 from p2p_cocodc.ops.monitoring import serve_bootstrap_metrics
 from p2p_cocodc.ops.watch import History, health, page_files
-from p2p_cocodc.swarm.dht import listen_maddrs, p2pd_socket, start_dht, stop_dht
+from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.dial_back import REACH_PATH, DialBack
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
 from p2p_cocodc.swarm.trust import Membership
@@ -70,23 +69,6 @@ PEER_FIELDS = (
     "bytes_received",
     "last_round_s",
 )
-
-
-@dataclass(frozen=True)
-class BootstrapOptions:
-    """The ``p2p-cocodc bootstrap`` options; ``status_host`` None means ``host``."""
-
-    identity: str = "bootstrap.id"
-    host: str = "127.0.0.1"
-    port: int = 31337
-    announce: str | None = None
-    address_file: str = "bootstrap.json"
-    status_host: str | None = None
-    status_port: int = 31338
-    refresh_s: float = 1.0
-    swarm_key_file: str | None = None
-    owner: str | None = None
-    metrics_port: int | None = None  # Prometheus metrics on the status host (monitoring.py); None: none
 
 
 class Snapshot:
@@ -175,7 +157,7 @@ class _Handler(BaseHTTPRequestHandler):
 def run_bootstrap(opts: BootstrapOptions) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the DHT process dies (exit code 1)."""
     configure_logging(logging.INFO)
-    check_options(opts)
+    opts.validate()
     membership = Membership.from_options(opts.swarm_key_file, opts.owner)
     status_host = opts.status_host or opts.host
     with ExitStack() as stack:
@@ -207,37 +189,6 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
             return uvloop.run(watch(dht, address["peer_id"], snapshot, opts.refresh_s, dial_back))
         except KeyboardInterrupt:
             return 0
-
-
-def check_options(opts: BootstrapOptions) -> None:
-    """Reject bad values before anything starts, each with the flag to fix."""
-    for flag, port in (("--port", opts.port), ("--status-port", opts.status_port)):
-        if not 0 <= port < 65536:
-            raise UserError(f"{flag} must be in [0, 65535], got {port}")
-    listen_maddrs(opts.host, opts.port)
-    if opts.announce:
-        listen_maddrs(opts.announce, opts.port, "--announce")
-    if not (math.isfinite(opts.refresh_s) and 0.1 <= opts.refresh_s <= 3600):
-        raise UserError(f"--refresh must be in [0.1, 3600] seconds, got {opts.refresh_s}")
-    if opts.port and opts.port == opts.status_port:
-        raise UserError(f"--port and --status-port are both {opts.port}: they must differ")
-    for flag, port in (("--port", opts.port), ("--status-port", opts.status_port)):
-        if port and port == opts.metrics_port:
-            raise UserError(f"{flag} and --metrics-port are both {port}: they must differ")
-    _check_writable_file("--identity", opts.identity)
-    _check_writable_file("--address-file", opts.address_file)
-
-
-def _check_writable_file(flag: str, path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise UserError(f"{flag} {path} is a directory; give a file name")
-    if not os.path.isdir(parent):
-        raise UserError(f"{flag} {path}: the directory {parent} does not exist")
-    if os.path.exists(path) and not os.access(path, os.R_OK):
-        raise UserError(f"{flag} {path} exists but cannot be read")
-    if not os.path.exists(path) and not os.access(parent, os.W_OK):
-        raise UserError(f"{flag} {path} cannot be created: {parent} is not writable")
 
 
 def bind_status_server(host: str, port: int) -> StatusServer:

@@ -34,6 +34,7 @@ from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.models.data import Shard
+from p2p_cocodc.names import AVERAGE_GRADIENTS
 from p2p_cocodc.run.checkpoint import join_state, split_state
 from p2p_cocodc.run.records import params_sha256
 from p2p_cocodc.run.setup import TrainingSetup
@@ -118,7 +119,7 @@ class Region:
     def start(self, cfg: TrainConfig, swarm: dict[str, Any]) -> None:
         """Settle this rank's device, join the region's process group and check that every rank
         was given the same options."""
-        if cfg.algo == "ddp":
+        if cfg.algo in AVERAGE_GRADIENTS:
             raise UserError(
                 "--algo ddp under torchrun: a ddp region would need the swarm's gradients on every rank; "
                 "use a DiLoCo-family --algo, or one process per region"

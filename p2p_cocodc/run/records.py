@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -77,6 +77,38 @@ class RunLog:
         except OSError:
             pass
         self._file = None
+
+
+class Records:
+    """The records of one run: each written to its ``RunLog`` as it comes, and kept, so that a
+    checkpoint holds them and a resumed run writes them again first. ``listener`` sees every record
+    written (a peer's metrics). After ``close`` nothing more is written (a run's summary stays its
+    last record); closing the ``RunLog`` is its owner's business."""
+
+    def __init__(self, log: RunLog | None, listener: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.log = log
+        self.listener = listener
+        self.kept: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.log is None:
+            return
+        self.log.write(record)
+        self.kept.append(record)
+        if self.listener is not None:
+            self.listener(record)
+
+    def replay(self) -> None:
+        """Write the kept records again (a resumed run's: those before its checkpoint)."""
+        if self.log is not None:
+            for record in self.kept:
+                self.log.write(record)
+
+    def evals(self) -> list[dict[str, Any]]:
+        return [record for record in self.kept if record["kind"] == "eval"]
+
+    def close(self) -> None:
+        self.log = None
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:

@@ -22,8 +22,8 @@ from p2p_cocodc.algorithms.devices import Placement
 from p2p_cocodc.algorithms.fragments import make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer, evaluate
 from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
+from p2p_cocodc.config.derived import Link
 from p2p_cocodc.config.train import AUTO, TrainConfig
-from p2p_cocodc.errors import UserError
 from p2p_cocodc.models.build import build_model, count_parameters
 from p2p_cocodc.models.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
 from p2p_cocodc.models.hf import hf_tokenizer, is_hf_model
@@ -105,21 +105,7 @@ class TrainingSetup:
         else:
             sizes = [self.num_params]
         wire = [allreduce_wire_bytes(self.codec, n, cfg.workers) for n in sizes]
-        times = [latency_s + 8.0 * w / bandwidth_bps for w in wire]
-        overlap = transmissions = None
-        if cfg.overlap == AUTO:
-            overlap = math.ceil(max(times) / step_time - 1e-9)
-            if overlap >= cfg.inner_steps:
-                raise UserError(
-                    f"--overlap auto: a fragment transfer takes {max(times):.2f} s = {overlap} inner "
-                    f"steps, not less than --inner-steps {cfg.inner_steps}; raise --inner-steps, "
-                    "--fragments or --bandwidth-mbps, or pick a smaller --codec"
-                )
-        if cfg.transmissions == AUTO:
-            mean_time = sum(times) / len(times)
-            fitting = math.floor(cfg.inner_steps * step_time / mean_time)
-            transmissions = min(cfg.inner_steps, max(1, fitting))
-        return cfg.algo_settings(overlap=overlap, transmissions=transmissions)
+        return cfg.algo_settings(link=Link(wire, latency_s, bandwidth_bps, step_time))
 
     def eval_record(
         self, model: nn.Module, global_state: dict[str, torch.Tensor], step: int, replicas: int

@@ -15,12 +15,13 @@ bit-exactly (``Simulation.resumed``).
 
 from __future__ import annotations
 
+import asyncio
 import copy
-import math
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,14 +29,16 @@ import torch
 from p2p_cocodc.algorithms.butterfly import butterfly_mean
 from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.state import expect_tensor
-from p2p_cocodc.algorithms.strategies import DataParallel, Strategy
+from p2p_cocodc.algorithms.strategies import ReplicaStrategy
 from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.models.data import Shard
+from p2p_cocodc.names import AVERAGE_GRADIENTS
 from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter
-from p2p_cocodc.run.records import RunLog
+from p2p_cocodc.run.loop import Rejoin, ReplicaLoop, StepCallback
+from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.replay import read_events
-from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes, save_run, summary_record
+from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes, save_run
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Link:
 class Worker:
     trainer: InnerTrainer
     shard: Shard
-    strategy: Strategy | DataParallel
+    strategy: ReplicaStrategy
 
 
 @dataclass
@@ -95,7 +98,7 @@ class Simulation:
         self.settings = setup.settings(self.link.latency_s, self.link.bandwidth_bps, self.step_time)
         self.events = read_events(cfg.events, cfg.data_shards) if cfg.events else None
         joins = self.events.joins if self.events is not None else {}
-        if cfg.algo == "ddp" and joins.keys() - {0}:
+        if cfg.algo in AVERAGE_GRADIENTS and joins.keys() - {0}:
             raise UserError(
                 f"--events {cfg.events} records peers joining a run under way, which a ddp run cannot take"
             )
@@ -109,11 +112,13 @@ class Simulation:
         self.eval_model = setup.eval_model()
         self.step = 0  # inner steps done
         self.clock = 0.0
-        self.stall = 0.0
+        self.stall_s = 0.0
         self.bytes_sent = 0
         self.pending: dict[int, PendingResult] = {}
         self.train_losses: list[float] = []  # since the last evaluation
-        self.records: list[dict[str, Any]] = []  # every record written so far but the summary
+        self.records = Records(None)  # every record written so far (``run`` gives it the run's log)
+        self._stop: Callable[[], signal.Signals | None] = lambda: None  # ``run``'s stop request
+        self._received: signal.Signals | None = None
         self.exclusions: list[tuple[str, list[int]]] = []  # this step's rounds that left shards out
 
     @classmethod
@@ -137,93 +142,119 @@ class Simulation:
         checkpoints: CheckpointWriter | None = None,
         stop: Callable[[], signal.Signals | None] | None = None,
     ) -> dict:
-        """Train from the current step to --steps and return the summary (also written to ``log``).
+        """Train from the current step to --steps with the replica loop (``run/loop.py``) and return
+        the summary (also written to ``log``).
 
         A resumed simulation first writes the records of the steps before its checkpoint, so ``log``
         ends as an uninterrupted run's would. ``checkpoints`` writes the state when it is due and
         after the last step. ``stop`` is asked after every step: a signal there ends the run, after
         checkpointing that step when ``checkpoints`` is given (and writing --save's partial folder),
         with ``Stopped``."""
-        cfg = self.cfg
-        if self.records:
-            for record in self.records:
-                log.write(record)
-        else:
-            self._evaluate(0, log)
-        for step in range(self.step + 1, cfg.steps + 1):
-            started = time.perf_counter()
-            self.train_losses.append(self._inner_step(step))
-            compute = time.perf_counter() - started
-            self.clock += self.step_time if self.step_time is not None else compute / len(self.workers)
-            if isinstance(self._any_worker().strategy, Strategy):
-                self._apply_due(step)
-                self._send(step)
-                self._apply_due(step)
-                self._take_joiners(step)
-            self._write_exclusions(step, log)
-            self.step = step
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                record = self._evaluate(step, log)
-                if progress is not None:
-                    progress(step, record)
-            elif progress is not None:
-                progress(step, {})
-            received = stop() if stop is not None else None
-            written = None
-            if checkpoints is not None and (received is not None or checkpoints.due(step, cfg.steps)):
-                written = checkpoints.write(step, self.state_dict())
-            if received is not None:
-                if cfg.save is not None:  # written as DIR.partial-step-T, never as a finished run's DIR
-                    evals = [record for record in self.records if record["kind"] == "eval"]
-                    unfinished = f"stopped by {received.name}"
-                    save_run(self.setup, self.global_state(), step, evals[0], evals[-1], unfinished)
-                how = (
-                    f"checkpoint written to {written}; to continue, run the same command with --resume"
-                    if written is not None
-                    else "no checkpoint written (no --checkpoint-dir)"
-                )
-                raise Stopped(
-                    f"stopped by {received.name} after step {step} of {cfg.steps}: {how}", 128 + received
-                )
-        evals = [record for record in self.records if record["kind"] == "eval"]
-        saved = None
-        if cfg.save is not None:
-            saved = save_run(self.setup, self.global_state(), cfg.steps, evals[0], evals[-1])
-        summary = summary_record(
-            self.setup,
-            self.settings,
-            evals[0],
-            evals[-1],
-            self.global_state(),
-            saved,
-            bytes_sent=self.bytes_sent,
-            stall_s=self.stall,
-            sim_time_s=self.clock,
-            step_time_s=self.step_time,
-        )
-        log.write(summary)
-        return summary
+        self._stop = stop or (lambda: None)
+        resumed = bool(self.records.kept)
+        self.records.log = log
+        shown = StepCallback(progress)
+        loop = ReplicaLoop(self, self.setup, self.settings, self.records, self.eval_model, shown, checkpoints)
+        loop.train_losses = self.train_losses
+        return asyncio.run(loop.run(resumed=resumed))
 
-    def _inner_step(self, step: int) -> float:
-        """One inner step on every replica (DDP: with the gradient all-reduce between)."""
+    # ---- the driver of the replica loop ----
+
+    def stop_signal(self) -> str | None:
+        self._received = self._stop()
+        return None if self._received is None else self._received.name
+
+    async def stopped(self, step: int, checkpoint: Path | None) -> None:
+        """A simulation stopped by a signal ends with ``Stopped`` (its --save to the partial folder)."""
+        received = self._received
+        assert received is not None
+        if self.cfg.save is not None:  # written as DIR.partial-step-T, never as a finished run's DIR
+            evals = self.records.evals()
+            why = f"stopped by {received.name}"
+            save_run(self.setup, self.global_state(), step, evals[0], evals[-1], why)
+        how = (
+            f"checkpoint written to {checkpoint}; to continue, run the same command with --resume"
+            if checkpoint is not None
+            else "no checkpoint written (no --checkpoint-dir)"
+        )
+        where = f"after step {step} of {self.cfg.steps}"
+        raise Stopped(f"stopped by {received.name} {where}: {how}", 128 + received)
+
+    async def before_step(self) -> None:
+        pass
+
+    async def train_step(self, step: int) -> float:
+        """One inner step on every replica (with ddp, the gradient round between backward and
+        update), then the clock moves on by a step's time."""
+        started = time.perf_counter()
         losses = [w.trainer.backward(*w.shard.batch(step - 1)) for w in self.workers.values()]
-        strategies = {i: w.strategy for i, w in self.workers.items()}
-        if isinstance(self._any_worker().strategy, DataParallel):
-            grads = {i: s.gradient_payload() for i, s in strategies.items()}  # type: ignore[union-attr]
-            averaged, wire = self._average(f"g:{step}", grads)
-            if wire < 0:
-                raise UserError(f"--events {self.cfg.events} has no record of round g:{step}")
-            self._transfer_and_wait(wire)
-            if averaged is None:  # the swarm's gradient round failed: every peer skipped the step
-                return sum(losses) / len(losses)
-            for s in strategies.values():
-                s.apply_gradients(averaged)  # type: ignore[union-attr]
-        for w in self.workers.values():
-            w.trainer.update(step)
-        loss = sum(losses) / len(losses)
-        if not math.isfinite(loss):
-            raise UserError(f"training diverged at step {step} (loss {loss}): lower --lr or --outer-lr")
+        if self._any_worker().strategy.averages_gradients and not self._average_gradients(step):
+            loss = sum(losses) / len(losses)  # the swarm's gradient round failed: every peer skipped the step
+        else:
+            for w in self.workers.values():
+                w.trainer.update(step)
+            loss = sum(losses) / len(losses)
+        compute = time.perf_counter() - started
+        self.clock += self.step_time if self.step_time is not None else compute / len(self.workers)
         return loss
+
+    def _average_gradients(self, step: int) -> bool:
+        """The gradient round of ``step`` (False: it failed, as the replayed swarm's did)."""
+        strategies = {i: w.strategy for i, w in self.workers.items()}
+        averaged, wire = self._average(f"g:{step}", {i: s.gradient_payload() for i, s in strategies.items()})
+        if wire < 0:
+            raise UserError(f"--events {self.cfg.events} has no record of round g:{step}")
+        self._transfer_and_wait(wire)
+        if averaged is None:
+            return False
+        for s in strategies.values():
+            s.apply_gradients(averaged)
+        return True
+
+    def due(self, step: int) -> list[int]:
+        return self._agreed([w.strategy.due(step) for w in self.workers.values()], f"due at step {step}")
+
+    def sends_after(self, step: int) -> list[int]:
+        choices = [w.strategy.sends_after(step) for w in self.workers.values()]
+        return self._agreed(choices, f"to send at step {step}")
+
+    async def after_boundary(self, step: int) -> None:
+        self._take_joiners(step)
+        self._write_exclusions(step)
+
+    def step_done(self, step: int) -> None:
+        pass
+
+    async def rejoin(self, why: Rejoin) -> None:
+        raise AssertionError(f"a simulated replica never rejoins ({why})")
+
+    async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+    def clock_field(self) -> dict[str, float]:
+        return {"sim_time_s": self.clock}
+
+    async def evaluated(
+        self, step: int, state: dict[str, torch.Tensor], record: dict[str, Any], started: float
+    ) -> None:
+        pass
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    async def finish(self, stopping: bool) -> None:
+        pass
+
+    def unfinished(self, failure: str | None) -> str | None:
+        return None
+
+    def summary_fields(self, failure: str | None) -> dict[str, Any]:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "stall_s": self.stall_s,
+            "sim_time_s": self.clock,
+            "step_time_s": self.step_time,
+        }
 
     def _transfer_and_wait(self, wire: int) -> None:
         arrives = self.link.send(self.clock, wire)
@@ -232,17 +263,13 @@ class Simulation:
 
     def _wait_until(self, t: float) -> None:
         if t > self.clock:
-            self.stall += t - self.clock
+            self.stall_s += t - self.clock
             self.clock = t
 
     def _agreed(self, choices: list[list[int]], what: str) -> list[int]:
         if any(c != choices[0] for c in choices):
             raise RuntimeError(f"replicas disagree on the fragments {what}: {choices}")
         return choices[0]
-
-    def _fragment_strategies(self) -> dict[int, Strategy]:
-        """The replicas' fragment strategies by data shard (only called when the algorithm is not ddp)."""
-        return {i: w.strategy for i, w in self.workers.items()}  # type: ignore[misc]
 
     def _any_worker(self) -> Worker:
         """A live replica: they all hold the same θ̄, schedule and syncs in flight."""
@@ -258,9 +285,9 @@ class Simulation:
         the shared state of a live one (θ̄ at ``step``), replacing the shard's old replica if any."""
         shards = self.events.joins.get(step, ()) if self.events is not None else ()
         for i in shards:
-            donor = next(iter(self._fragment_strategies().values()))  # ddp runs with joiners are refused
+            donor = self._any_worker().strategy  # ddp runs with joiners are refused
             worker = self._fresh_worker(i)
-            worker.strategy.join_from(donor.shared_state())  # type: ignore[union-attr]
+            worker.strategy.join_from(donor.shared_state())  # type: ignore[attr-defined]
             self.workers[i] = worker
         if shards:
             self.workers = dict(sorted(self.workers.items()))
@@ -300,38 +327,38 @@ class Simulation:
             self.exclusions.append((round_id, [group[i] for i in excluded]))
         return averaged, allreduce_wire_bytes(self.codec, averaged.numel(), len(group))
 
-    def _send(self, step: int) -> None:
-        strategies = self._fragment_strategies()
-        for p in self._agreed([s.sends_after(step) for s in strategies.values()], f"to send at step {step}"):
-            round_id = f"f{p}:{step}"
-            averaged, wire = self._average(round_id, {i: s.payload(p, step) for i, s in strategies.items()})
-            self.bytes_sent += max(wire, 0)
-            arrives = self.link.send(self.clock, max(wire, 0))
-            missing = round_id if wire < 0 else ""
-            self.pending[p] = PendingResult(averaged, arrives, missing, self._pace(round_id))
+    def send(self, p: int, step: int) -> None:
+        """Every replica's payload of fragment ``p`` averaged at once; the result arrives on the
+        virtual clock when the link has carried its bytes."""
+        strategies = {i: w.strategy for i, w in self.workers.items()}
+        round_id = f"f{p}:{step}"
+        averaged, wire = self._average(round_id, {i: s.payload(p, step) for i, s in strategies.items()})
+        self.bytes_sent += max(wire, 0)
+        arrives = self.link.send(self.clock, max(wire, 0))
+        missing = round_id if wire < 0 else ""
+        self.pending[p] = PendingResult(averaged, arrives, missing, self._pace(round_id))
 
-    def _apply_due(self, step: int) -> None:
-        strategies = self._fragment_strategies()
-        for p in self._agreed([s.due(step) for s in strategies.values()], f"due at step {step}"):
-            result = self.pending.pop(p)
-            if result.round_id:
-                raise UserError(
-                    f"--events {self.cfg.events} has no record of round {result.round_id}, which this run "
-                    f"applies at step {step}: replay the --out of a peer that took part in the whole run"
-                )
-            self._wait_until(result.arrives_at)
-            for s in strategies.values():
-                if result.averaged is None:
-                    s.abandon(p)
-                else:
-                    s.apply(p, result.averaged, step, spacing=result.spacing)
+    async def apply(self, p: int, step: int) -> bool:
+        """Wait (on the virtual clock) for fragment ``p``'s result and apply it on every replica, or
+        abandon it on every replica where the replayed swarm's round failed."""
+        result = self.pending.pop(p)
+        if result.round_id:
+            raise UserError(
+                f"--events {self.cfg.events} has no record of round {result.round_id}, which this run "
+                f"applies at step {step}: replay the --out of a peer that took part in the whole run"
+            )
+        self._wait_until(result.arrives_at)
+        for w in self.workers.values():
+            if result.averaged is None:
+                w.strategy.abandon(p)  # type: ignore[attr-defined]
+            else:
+                w.strategy.apply(p, result.averaged, step, spacing=result.spacing)  # type: ignore[attr-defined]
+        return True
 
-    def _write_exclusions(self, step: int, log: RunLog) -> None:
+    def _write_exclusions(self, step: int) -> None:
         """The exclusion records of the rounds averaged after ``step``."""
         for round_id, shards in self.exclusions:
-            record = {"kind": "exclusion", "round": round_id, "step": step, "excluded": shards}
-            log.write(record)
-            self.records.append(record)
+            self.records.write({"kind": "exclusion", "round": round_id, "step": step, "excluded": shards})
         self.exclusions.clear()
 
     # ---- evaluation ----
@@ -339,20 +366,6 @@ class Simulation:
     def global_state(self) -> dict[str, torch.Tensor]:
         """θ̄ of a live replica (every replica holds the same θ̄; tests check it)."""
         return self._any_worker().strategy.global_state()
-
-    def _evaluate(self, step: int, log: RunLog) -> dict[str, Any]:
-        record = self.setup.eval_record(self.eval_model, self.global_state(), step, self.cfg.workers)
-        losses = self.train_losses
-        record.update(
-            sim_time_s=self.clock,
-            train_loss=sum(losses) / len(losses) if losses else None,
-            bytes_sent=self.bytes_sent,
-            stall_s=self.stall,
-        )
-        losses.clear()
-        log.write(record)
-        self.records.append(record)
-        return record
 
     # ---- state ----
 
@@ -366,7 +379,7 @@ class Simulation:
             "step": self.step,
             "clock": {
                 "now": self.clock,
-                "stall": self.stall,
+                "stall": self.stall_s,
                 "link_free_at": self.link.free_at,
                 "step_time": self.step_time,
             },
@@ -381,7 +394,7 @@ class Simulation:
                 for p, r in self.pending.items()
             ],
             "train_losses": list(self.train_losses),
-            "records": copy.deepcopy(self.records),
+            "records": copy.deepcopy(self.records.kept),
             "rng": {"torch": torch.get_rng_state()},
         }
 
@@ -398,7 +411,7 @@ class Simulation:
         pending = {}
         for result in state["pending"]:
             p = result["fragment"]
-            in_flight = [p in s.in_flight for s in self._fragment_strategies().values()]
+            in_flight = [p in w.strategy.in_flight for w in self.workers.values()]
             if not isinstance(p, int) or p in pending or not all(in_flight):
                 raise ValueError(f"an averaged result for fragment {p!r}, which is not in flight")
             like = self._any_worker().strategy.outer[p].global_params  # type: ignore[union-attr]
@@ -408,17 +421,17 @@ class Simulation:
                 raise ValueError(f"the spacing agreed with fragment {p}'s result is {spacing!r}")
             pending[p] = PendingResult(averaged.clone(), float(result["arrives_at"]), spacing=spacing)
         strategy = self._any_worker().strategy
-        if isinstance(strategy, Strategy) and set(pending) != set(strategy.in_flight):
+        if set(pending) != set(strategy.in_flight):
             raise ValueError("the syncs in flight and the averaged results in flight differ")
         self.pending = pending
         clock = state["clock"]
-        self.clock, self.stall = float(clock["now"]), float(clock["stall"])
+        self.clock, self.stall_s = float(clock["now"]), float(clock["stall"])
         self.link.free_at = float(clock["link_free_at"])
         self.bytes_sent = int(state["bytes_sent"])
         self.step = int(state["step"])
         self.train_losses = [float(x) for x in state["train_losses"]]
-        self.records = list(state["records"])
-        if not self.records or self.records[-1]["step"] > self.step:
+        self.records.kept = list(state["records"])
+        if not self.records.kept or self.records.kept[-1]["step"] > self.step:
             raise ValueError(f"its records do not end at or before step {self.step}")
         torch.set_rng_state(expect_tensor(state["rng"]["torch"], torch.get_rng_state(), "torch RNG state"))
 

@@ -53,7 +53,8 @@ from p2p_cocodc.swarm.messages import (
     payload_bytes,
 )
 from p2p_cocodc.swarm.records import NONE_YET, PeerRecord
-from p2p_cocodc.swarm.round import (
+from p2p_cocodc.swarm.round import RoundMachine
+from p2p_cocodc.swarm.round_events import (
     Accuse,
     BoardPeer,
     Completed,
@@ -66,7 +67,6 @@ from p2p_cocodc.swarm.round import (
     Note,
     Phase,
     Received,
-    RoundMachine,
     Send,
     Settle,
     Start,

@@ -40,17 +40,14 @@ peer completed; with no faults every round completes before ``Deadlines.settle_b
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
 from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
-from p2p_cocodc.algorithms.butterfly import assemble, encode_slices, reduce_slice, slice_sizes
-from p2p_cocodc.algorithms.codecs import Codec, get_codec
-from p2p_cocodc.errors import UserError
+from p2p_cocodc.algorithms.butterfly import slice_sizes
+from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.swarm.messages import (
     Ack,
     Average,
@@ -67,203 +64,31 @@ from p2p_cocodc.swarm.messages import (
     Status,
     StatusReply,
 )
-from p2p_cocodc.swarm.wire import SLOWEST_LINK_MBPS
-
-EXACT = get_codec("fp32")  # averages served to a recovering peer: bit-exact
-
-
-# ---- deadlines: every timeout of the protocol, in one place ----
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """Every time limit of a round. ``round_s`` is ``--round-timeout``; transfers of N bytes are
-    allowed ``8·N / slowest_link_mbps`` seconds on top, so a large fragment on a slow link is not
-    taken for a dead peer."""
-
-    round_s: float = 60.0  # the leader's wait for joiners beyond the slowest peer's arrival; the all-reduce
-    resend_s: float = 2.0  # JOIN, PROBE, FETCH and unacknowledged deliveries are sent again after this
-    answer_s: float = 15.0  # a peer that answers nothing we send it for this long is taken for gone
-    heard_s: float = 8.0  # a peer that messaged us is live this long (a board record's lifetime)
-    slowest_link_mbps: float = SLOWEST_LINK_MBPS
-
-    def transfer_s(self, num_bytes: int) -> float:
-        return 8.0 * num_bytes / (self.slowest_link_mbps * 1e6)
-
-    def resend_after(self, num_bytes: int) -> float:
-        return self.resend_s + self.transfer_s(num_bytes)
-
-    def form_by(self, started: float, eta_s: float) -> float:
-        """The leader decides the group by then (twice the slowest peer's arrival, plus round_s)."""
-        return started + 2.0 * eta_s + self.round_s
-
-    def join_patience(self, started: float, eta_s: float) -> float:
-        """A joiner whose leader has not decided by then gives the round up and recovers."""
-        return self.form_by(started, eta_s) + self.round_s + self.answer_s
-
-    def allreduce_by(self, adopted: float, wire_bytes: int) -> float:
-        """The butterfly completes by then, or the member recovers."""
-        return adopted + self.round_s + 2.0 * self.transfer_s(wire_bytes)
-
-    def idle_expiry_s(self) -> float:
-        """A round others opened here that this peer never reaches is forgotten after this."""
-        return 2 * self.round_s + 2 * self.answer_s
-
-    def settle_by(self, started: float, eta_s: float, wire_bytes: int) -> float:
-        """With no faults, every peer has settled the round by then (the model check asserts it)."""
-        return self.allreduce_by(self.join_patience(started, eta_s), wire_bytes) + self.answer_s
-
-
-@dataclass(frozen=True)
-class BoardPeer:
-    """What the notice board says of a live peer of this run: how far along it is."""
-
-    step: int
-    step_time_s: float
-    leaving: bool = False  # it said it is stopping: it finishes its rounds but joins no new group
-    done: bool = False  # it has finished (or left) the run: off the board for good
-
-
-# ---- events ----
-
-
-@dataclass(frozen=True)
-class Start:
-    """This peer reached the round: average ``vector`` (sent after inner step ``step``); ``pace``
-    is the send-slot spacing its link keeps up with (0: it asks for none)."""
-
-    step: int
-    vector: torch.Tensor
-    pace: int = 0
-
-
-@dataclass(frozen=True)
-class Received:
-    sender: str  # authenticated by the transport, never read from the message
-    message: Message
-    replayed: bool = False  # a PART whose bytes this sender already sent in another round (transport)
-
-
-@dataclass(frozen=True)
-class ViewChanged:
-    view: Mapping[str, BoardPeer]  # live training peers of the run with our fingerprint, not us
-
-
-@dataclass(frozen=True)
-class Computed:
-    job: Job
-    value: object = None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed: deadlines and re-sends."""
-
-
-@dataclass(frozen=True)
-class Leaving:
-    """This peer is leaving the run: it finishes the groups it is in, and joins or leads no other."""
-
-
-Event = Start | Received | ViewChanged | Computed | Tick | Leaving
-
-
-# ---- effects ----
-
-
-@dataclass(frozen=True)
-class Send:
-    to: str
-    message: Message
-
-
-@dataclass(frozen=True)
-class Job:
-    """Arithmetic to run off the event loop; ``run_job`` does it and returns the ``Computed``."""
-
-    kind: str  # encode | reduce | assemble | decode
-    inputs: tuple = ()
-
-
-@dataclass(frozen=True)
-class Compute:
-    job: Job
-
-
-@dataclass(frozen=True)
-class Completed:
-    average: torch.Tensor
-    members: Members
-    pace: int  # the group's pace: the largest send-slot spacing its members asked for
-    by_butterfly: bool  # False: fetched from a peer that completed
-    screened_out: tuple[str, ...] = ()  # members this peer left out of its own slice's aggregate
-
-
-@dataclass(frozen=True)
-class Failed:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Lost:
-    """Another peer completed the round, and its average can no longer be had here."""
-
-    reason: str
-
-
-Outcome = Completed | Failed | Lost
-
-
-@dataclass(frozen=True)
-class Settle:
-    outcome: Outcome
-
-
-@dataclass(frozen=True)
-class Note:
-    """A line for ``join --verbose``."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Accuse:
-    """A peer sent what no honest peer sends: the transport counts it against that peer and says so."""
-
-    peer: str
-    why: str
-
-
-Effect = Send | Compute | Settle | Note | Accuse
-
-
-def run_job(job: Job, codec: Codec) -> Computed:
-    """Carry out a Compute effect: the butterfly's arithmetic, with bad payloads as errors."""
-    try:
-        if job.kind == "encode":
-            vector, parts = job.inputs
-            value: object = encode_slices(vector, parts, codec)
-        elif job.kind == "reduce":  # (the aggregate's encoding, members screened out of it)
-            encoded, numel, aggregation, _ = job.inputs  # the last input: the members of ``encoded``
-            value = reduce_slice(encoded, numel, codec, aggregation)
-        elif job.kind == "assemble":
-            means, sizes = job.inputs
-            value = assemble(means, sizes, codec)
-        else:
-            data, numel = job.inputs[:2]  # decode: (data, numel, members, pace, sender)
-            value = EXACT.decode(data, numel)
-    except UserError as exc:
-        return Computed(job, error=str(exc))
-    return Computed(job, value)
-
-
-class Phase(Enum):
-    IDLE = "idle"
-    FORMING = "forming"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    DONE = "done"
+from p2p_cocodc.swarm.round_events import (
+    EXACT,
+    Accuse,
+    BoardPeer,
+    Completed,
+    Compute,
+    Computed,
+    Deadlines,
+    Effect,
+    Event,
+    Failed,
+    Job,
+    Leaving,
+    Lost,
+    Note,
+    Outcome,
+    Phase,
+    Received,
+    Send,
+    Settle,
+    Start,
+    ViewChanged,
+    leader_rank,
+    short,
+)
 
 
 @dataclass
@@ -274,17 +99,6 @@ class Recovery:
     answers: dict[str, tuple[Status, int]] = field(default_factory=dict)  # peer -> (status, ask answered)
     last_final_ask: int = 0  # asks sent before the last answer became final; WAITING must be newer
     unanswered_since: dict[str, float] = field(default_factory=dict)  # peer -> oldest FETCH it owes
-
-
-def leader_rank(round_id: str, peer: str) -> bytes:
-    """The order in which peers are in line to lead a round: a hash of the round and the peer id.
-    Every peer computes the same line, and it changes from round to round, so an id ground to sort
-    first (20,000 RSA keys a second) leads no more rounds than any other id."""
-    return hashlib.sha256(f"p2p-cocodc lead\0{round_id}\0{peer}".encode()).digest()
-
-
-def short(peer: str) -> str:
-    return peer[:12]
 
 
 class RoundMachine:

@@ -1,0 +1,298 @@
+"""Who trains in a run, and how a peer enters it: the admission rules as pure decisions.
+
+Each function reads a view of the notice board (peer id -> record) and this peer's ``Seat`` and
+returns a decision, or raises UserError with the one line users see. Nothing here waits, reads a
+clock, touches the network or disk: the peer (``node.py``) reads the board, loops, times out and
+fetches; this module only decides (like torchft's lighthouse ``quorum_compute``). The rules:
+
+* **Same run.** A record is of this run when it carries this peer's fingerprint (the options every
+  peer must share) and swarm key id. Other records under the run id are strangers, ignored, unless
+  every other live ("waiting" or "training") peer is one and none shares ours: then this peer is the
+  odd one out. An open peer among keyed ones is told to bring the key; otherwise it stops with "trains
+  with other options", naming the options that differ (the caller fetches that peer's run info).
+* **Under way.** A run is under way once --workers peers of it train, or one has trained past the
+  step it started (or resumed) at; yet only once a training peer's step moved while this peer watched
+  (``first_steps``): right after a whole swarm was killed, its records still say "training" for a
+  record lifetime. Until one moves, wait. A resuming peer ignores training records past step 0 that
+  did not resume and have not moved: a dead swarm's.
+* **Join.** A run under way takes a peer that can take the swarm's state (not ddp). It keeps its
+  --shard (or its checkpoint's: it takes the swarm's state, not its checkpoint), else takes the shard
+  this identity read before if no one reads it, else the first free one of --max-peers; none free:
+  the run is full.
+* **Start.** Once --workers live peers of the run, this one among them, are on the board, they start
+  together; more than --workers is an error. Peers without a shard take the free shards of
+  range(--workers) in peer-id order, so every peer computes the same split from the same board. A
+  shard another peer of the run reads (a finished one reads none) is an error. When any of them
+  resumes, all must, and the swarm goes on from the newest step all of them hold: the smallest.
+* **Started.** Step 1 begins only once --workers peers of the run show "training".
+* **Donors.** A peer taking the swarm's state asks up to ``DONORS`` training peers of the run (not
+  itself, none distrusted), highest step first, then by id. None, and one of the run is done: the run
+  finished without it. A state at or past --steps leaves nothing to train.
+
+Every ``Wait`` names what the peer waits for ("only 2 of --workers 3 peers joined"); the caller ends
+the text with the run and its --wait-peers when the wait times out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.swarm.run_options import differences
+
+DONORS = 3  # a joiner asks this many live peers for the state (at least 2 where there are)
+LIVE = ("waiting", "training")  # the states of peers that take part in a start
+
+
+class Record(Protocol):
+    """The fields of a board record (``swarm.records.PeerRecord``) the lobby reads."""
+
+    @property
+    def state(self) -> str: ...  # 'waiting' | 'joining' | 'training' | 'leaving' | 'done'
+    @property
+    def step(self) -> int: ...
+    @property
+    def shard(self) -> int | None: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def key_id(self) -> str: ...
+    @property
+    def resume_step(self) -> int: ...  # -1: it does not resume
+
+
+View = Mapping[str, Record]
+
+
+@dataclass(frozen=True)
+class Seat:
+    """What the lobby knows of this peer: who it is, which run it asks for, what it brings."""
+
+    peer_id: str
+    run_id: str
+    fingerprint: str
+    key_id: str  # the public id of the swarm key it holds ("open": none)
+    is_open: bool  # it holds no swarm key and no owner's certificate
+    workers: int  # --workers
+    data_shards: int  # --max-peers
+    steps: int  # --steps
+    shard: int | None = None  # --shard, or its checkpoint's shard
+    resume_step: int | None = None  # the step of the checkpoint it resumes from (--resume)
+    can_take_state: bool = True  # False for ddp: it cannot join a run under way
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Not yet: ``reason`` is the start of the timeout's text; ``live`` the run's live peers to show
+    (this one included where it is on the board), None where no roster is shown."""
+
+    reason: str
+    live: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start the run with ``live`` (every live peer, in id order): this peer reads ``shard``, and the
+    whole swarm resumes from its checkpoints of ``resume_step`` (None: a fresh start)."""
+
+    shard: int
+    resume_step: int | None
+    live: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Join:
+    """The run is under way: take the swarm's state (not a checkpoint) and read ``shard``."""
+
+    shard: int
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Every other live peer of the run id trains with other options: fetch ``peer``'s run info and
+    raise ``mismatch_error``."""
+
+    peer: str
+
+
+@dataclass(frozen=True)
+class Donors:
+    """Take the swarm's state from these peers (best first)."""
+
+    peers: tuple[str, ...]
+
+
+Admission = Wait | Start | Join | Mismatch
+
+
+def same_run(record: Record, seat: Seat) -> bool:
+    """A record of a peer of this run: our configuration, and our swarm key (or none, both)."""
+    return record.fingerprint == seat.fingerprint and record.key_id == seat.key_id
+
+
+def admit(view: View, seat: Seat, first_steps: Mapping[str, int]) -> tuple[Admission, dict[str, int]]:
+    """One look at the board: start, join, wait, or the options that differ to fetch. ``first_steps``
+    (peer -> the step its record showed when first read here) goes in empty and comes back updated,
+    to be passed to the next call."""
+    first = dict(first_steps)
+    same = {p: r for p, r in view.items() if same_run(r, seat)}
+    odd = odd_one_out(view, seat)
+    if odd is not None:
+        return Mismatch(odd), first
+    # our own record may be a stale one of this identity's previous process: not a peer
+    training = {p: r for p, r in same.items() if r.state == "training" and p != seat.peer_id}
+    moving = {p for p, r in training.items() if r.step > first.setdefault(p, r.step)}
+    if seat.resume_step is not None:  # a killed swarm's records: past step 0, not resumed, still
+        dead = {p for p, r in training.items() if r.step > 0 > r.resume_step and p not in moving}
+        same = {p: r for p, r in same.items() if p not in dead}
+        training = {p: r for p, r in training.items() if p not in dead}
+    past_start = any(r.step > max(r.resume_step, 0) for r in training.values())
+    if len(training) >= seat.workers or past_start:
+        if not moving:  # under way, or the records of a dead swarm: which one shows within a lifetime
+            return Wait("no training peer moved in"), first
+        if not seat.can_take_state:
+            raise UserError(
+                f"run {seat.run_id!r} is under way, and a ddp run cannot take a peer in progress: use "
+                "another --run-id, or a DiLoCo-family --algo"
+            )
+        return Join(free_shard(same, seat)), first
+    live = sorted(p for p, r in same.items() if r.state in LIVE)
+    if len(live) >= seat.workers and seat.peer_id in live:
+        shard = settle_shard(live, same, seat)
+        resume = None
+        if seat.resume_step is not None or any(same[p].resume_step >= 0 for p in live):
+            resume = resume_from(live, same, seat)
+        return Start(shard, resume, tuple(live)), first
+    return Wait(f"only {len(live)} of --workers {seat.workers} peers joined", tuple(live)), first
+
+
+def odd_one_out(view: View, seat: Seat) -> str | None:
+    """The peer to name when every other live peer of this run id has another configuration or
+    another swarm key (None when some share ours: the strangers are ignored, as a stranger's record
+    must not stop a run). UserError when an open peer finds only keyed ones."""
+    others = {p: r for p, r in view.items() if p != seat.peer_id and r.state in LIVE}
+    if not others or any(p != seat.peer_id and same_run(r, seat) for p, r in view.items()):
+        return None
+    keys = sorted({r.key_id for r in others.values()} - {seat.key_id})
+    if keys and seat.is_open:  # a keyed peer's DHT never returns an open peer's record
+        raise UserError(
+            f"run {seat.run_id!r} admits only holders of its swarm key or of its owner's certificate (key "
+            f"id {keys[0]}): pass --swarm-key-file, or --owner and --certificate, as its owner gave them; "
+            "or pick another --run-id"
+        )
+    return sorted(others)[0]
+
+
+def mismatch_error(seat: Seat, peer: str, options: dict[str, Any], run_infos: Mapping[str, Any]) -> UserError:
+    """The error for ``Mismatch(peer)``: ``options`` are ours (``option_view``), ``run_infos`` what
+    the board holds (``Board.run_infos``: untrusted)."""
+    info = run_infos.get(peer)
+    differ = differences(options, info.get("options") if isinstance(info, Mapping) else None)
+    which = f" ({'; '.join(differ)})" if differ else ""
+    return UserError(
+        f"peer {peer[:12]} of run {seat.run_id!r} trains with other options{which}: start every peer with "
+        "the same options (or profile), or pick another --run-id"
+    )
+
+
+def shards_taken(records: View, seat: Seat) -> dict[int, str]:
+    """The data shards other peers of the run read (shard -> peer; finished peers read none);
+    UserError if this peer's own --shard (or checkpoint's shard) is among them."""
+    taken = {
+        r.shard: p
+        for p, r in records.items()
+        if r.shard is not None and p != seat.peer_id and r.state != "done"
+    }
+    if seat.shard in taken:
+        raise UserError(
+            f"--shard {seat.shard}/{seat.data_shards} is already read by peer {taken[seat.shard][:12]}: "
+            "give each peer its own shard"
+        )
+    return taken
+
+
+def settle_shard(live: Sequence[str], records: View, seat: Seat) -> int:
+    """The shard of a peer starting the run with ``live`` (sorted ids, this one among them): its
+    --shard, or a shard no peer reads: peers without one take the free shards in id order."""
+    if len(live) > seat.workers:
+        raise UserError(
+            f"{len(live)} peers joined run {seat.run_id!r} but --workers is {seat.workers}: give every "
+            "peer the same --workers, or use another --run-id"
+        )
+    taken = shards_taken(records, seat)
+    if seat.shard is not None:
+        return seat.shard
+    free = [i for i in range(seat.workers) if i not in taken]
+    unsettled = [p for p in live if records[p].shard is None or p == seat.peer_id]
+    return free[unsettled.index(seat.peer_id)]
+
+
+def free_shard(records: View, seat: Seat) -> int:
+    """A data shard no live peer reads, for a peer joining a run under way: its --shard, or the one
+    this identity read before (a restart), or the first free one."""
+    taken = shards_taken(records, seat)
+    if seat.shard is not None:
+        return seat.shard
+    free = [i for i in range(seat.data_shards) if i not in taken]
+    if not free:
+        raise UserError(
+            f"run {seat.run_id!r} is full: its peers read all {seat.data_shards} data shards (--max-peers "
+            f"{seat.data_shards}); wait for a peer to leave, or start the run with a larger --max-peers"
+        )
+    before = records.get(seat.peer_id)
+    return before.shard if before is not None and before.shard in free else free[0]
+
+
+def resume_from(live: Sequence[str], records: View, seat: Seat) -> int:
+    """A whole swarm restarted with --resume: every peer goes on from the newest step all of them
+    hold a checkpoint of (a peer killed before its last checkpoint holds an older one)."""
+    fresh = [p[:12] for p in live if records[p].resume_step < 0]
+    if fresh:
+        raise UserError(
+            f"peers {', '.join(fresh)} start run {seat.run_id!r} afresh while others resume it: start "
+            "every peer with --resume (and its --checkpoint-dir), or none"
+        )
+    return min(records[p].resume_step for p in live)
+
+
+def started(view: View, seat: Seat) -> Wait | None:
+    """None once --workers peers of the run show 'training' (then all agree on each round's leader)."""
+    training = [r for r in view.values() if same_run(r, seat) and r.state == "training"]
+    if len(training) >= seat.workers:
+        return None
+    return Wait(f"only {len(training)} of {seat.workers} peers started")
+
+
+def choose_donors(view: View, seat: Seat, distrusted: Collection[str]) -> list[str]:
+    """Up to ``DONORS`` training peers of the run to take the state from: not this peer, none
+    distrusted, highest step first, then by id."""
+    candidates = (
+        p
+        for p, r in view.items()
+        if p != seat.peer_id and same_run(r, seat) and r.state == "training" and p not in distrusted
+    )
+    return sorted(candidates, key=lambda p: (-view[p].step, p))[:DONORS]
+
+
+def find_donors(view: View, seat: Seat, distrusted: Collection[str]) -> Donors | Wait:
+    """``Donors`` to take the swarm's state from, or a wait for one; UserError when the run has
+    finished without this peer."""
+    donors = choose_donors(view, seat, distrusted)
+    if donors:
+        return Donors(tuple(donors))
+    if any(r.state == "done" and same_run(r, seat) for r in view.values()):
+        raise UserError(
+            f"run {seat.run_id!r} has finished without this peer: no peer trains any more to take the "
+            "swarm's state from"
+        )
+    return Wait("no peer to take the swarm's state from in")
+
+
+def check_steps_left(step: int, seat: Seat) -> None:
+    """UserError when the state taken at the end of ``step`` leaves nothing of --steps to train."""
+    if step >= seat.steps:
+        raise UserError(
+            f"run {seat.run_id!r} is at step {step} of --steps {seat.steps}: nothing left to train"
+        )

@@ -1,0 +1,270 @@
+"""A peer's presence in the swarm: its record on the notice board, its view of the others, the θ̄
+agreement, and the watch for a lapse.
+
+- The **heartbeat** publishes this peer's record and reads the board every ``--heartbeat`` seconds,
+  never waiting on a slow DHT call (a publish or read still in flight is skipped, not cancelled),
+  and gives up only when no publish has reached another node, or no read has succeeded, for
+  ``Board.give_up_s``: long after the others dropped this peer.
+- The **view** keeps a peer for its record's lifetime after it was last read: a DHT read under load
+  can miss a live record, and a leader must not form a round without a peer that is still there.
+- **θ̄ agreement** (``swarm/agreement.py``): the digests on the board are compared with ours; a
+  strict majority holding another θ̄ means this peer takes the swarm's state again.
+- The **lapse watch** notices that this process was stopped (SIGSTOP, a suspended VM) for longer than
+  its record lives: the others have gone on without it, so it takes the swarm's state again.
+
+The heartbeat and the watch end only with an error; ``check`` raises it where the peer trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.run.loop import Rejoin
+from p2p_cocodc.swarm.agreement import Agreement, Verdict
+from p2p_cocodc.swarm.records import Board, PeerRecord
+
+log = logging.getLogger(__name__)
+
+FIRST_PUBLISH_S = 15.0  # a new peer's DHT may need a few seconds to know another node
+
+
+class Presence:
+    """This peer on the board (``record()`` is what it publishes, ``run_info`` beside it) and the
+    others as it sees them. ``on_records`` sees every fresh read of the board; ``on_lapse`` is
+    called when the watch finds this peer lapsed (before the peer notices ``Rejoin``)."""
+
+    def __init__(
+        self,
+        board: Board,
+        same_run: Callable[[PeerRecord], bool],
+        record: Callable[[], PeerRecord],
+        run_info: dict[str, Any],
+        heartbeat_s: float,
+        on_records: Callable[[dict[str, PeerRecord]], None],
+        on_lapse: Callable[[], None],
+        can_rejoin: bool,
+    ) -> None:
+        self.board = board
+        self.peer_id = board.peer_id
+        self.same_run = same_run
+        self.record = record
+        self.run_info = run_info
+        self.heartbeat_s = heartbeat_s
+        self.on_records = on_records
+        self.on_lapse = on_lapse
+        self.can_rejoin = can_rejoin
+        self.view: dict[str, PeerRecord] = {}
+        self.last_seen: dict[str, float] = {}  # peer id -> when its record was last read
+        self.agreement = Agreement()  # this peer's θ̄ digests, compared with the others'
+        self.disputed: dict[str, int] = {}  # peer -> the latest step where its θ̄ differed from ours
+        self.distrusted: set[str] = set()  # peers whose θ̄ split off from the majority's: never donors
+        self.split_from: Verdict | None = None  # a majority holds another θ̄: take the swarm's state
+        self.unsettled: Verdict | None = None  # the latest disagreement no majority could settle
+        self.heartbeat: asyncio.Task[None] | None = None
+        self.watchdog: asyncio.Task[None] | None = None
+
+    # ---- the board ----
+
+    async def first_refresh(self, key_id: str) -> None:
+        """The first record: a DHT that has just started may not know another node yet (a store then
+        reaches nobody), so it is tried for ``FIRST_PUBLISH_S`` before the DHT counts as silent."""
+        deadline = time.monotonic() + FIRST_PUBLISH_S
+        while True:
+            try:
+                await self.refresh()
+                return
+            except ConnectionError as exc:
+                if time.monotonic() > deadline:
+                    raise UserError(
+                        f"no other DHT node took this peer's record in {FIRST_PUBLISH_S:.0f} s ({exc}): "
+                        "nodes that require a swarm key or an owner's certificate refuse records without "
+                        f"it; check --swarm-key-file, or --owner and --certificate (this peer: {key_id})"
+                    ) from None
+                log.info("first board publish failed (%s); trying again", exc)
+                await asyncio.sleep(self.heartbeat_s)
+
+    def start(self) -> None:
+        """The heartbeat, from the first record on."""
+        self.heartbeat = asyncio.create_task(self._heartbeat())
+
+    def watch(self) -> None:
+        """(Re)start the lapse watch: once the peer trains, and after it ended with a ``Rejoin``."""
+        if self.watchdog is None or self.watchdog.done():
+            self.watchdog = asyncio.create_task(self._watch_for_lapse())
+
+    def stop(self) -> None:
+        for task in (self.heartbeat, self.watchdog):
+            if task is not None:
+                task.cancel()
+
+    def guards(self) -> set[asyncio.Task[None]]:
+        """The tasks whose end (always an error) must interrupt a wait."""
+        return {t for t in (self.heartbeat, self.watchdog) if t is not None}
+
+    def check(self) -> None:
+        """Raise what ended the heartbeat or the lapse watch (they end only with an error)."""
+        for task in (self.heartbeat, self.watchdog):
+            if task is not None and task.done() and not task.cancelled():
+                task.result()
+
+    async def announce(self, state: str) -> None:
+        """Publish a change of this peer's state at once. A store the DHT does not take (a miss
+        under load, or a DHT that knows no other node yet) is not fatal here: the heartbeat
+        publishes the record again within a beat, and ends the peer if the DHT stays silent."""
+        try:
+            await self.refresh()
+        except ConnectionError as exc:
+            log.warning("could not announce %r on the board yet (%s); the heartbeat will", state, exc)
+
+    async def refresh(self, publish: bool = True, read: bool = True) -> None:
+        """Publish this peer's record and update the view of the others. A peer stays in the view
+        for its record's lifetime (the one it published, at least ours) after it was last read."""
+        board = self.board
+        if publish:
+            await board.publish(self.record(), self.run_info)
+        if not read:
+            return
+        fresh = await board.peers()
+        now = time.monotonic()
+        self.last_seen.update(dict.fromkeys(fresh, now))
+        view = {**self.view, **fresh}
+        self.view = {p: r for p, r in view.items() if now - self.last_seen[p] <= max(board.ttl_s, r.ttl_s)}
+        self._compare_theta()
+        self.on_records(fresh)
+
+    def name_of(self, peer: str) -> str:
+        """Another peer as operators see it: the region its record names, else its peer id's start."""
+        record = self.view.get(peer)
+        return record.region if record is not None and record.region else peer[:12]
+
+    # ---- θ̄ agreement ----
+
+    def _compare_theta(self) -> None:
+        """Compare our θ̄ digests with those on the board: name the peers that disagree, and take the
+        swarm's state again when a strict majority holds another θ̄ (``swarm/agreement.py``)."""
+        others = {
+            p: (r.theta_step, r.theta_sha)
+            for p, r in self.view.items()
+            if p != self.peer_id and self.same_run(r) and r.theta_step >= 0 and r.state != "joining"
+        }
+        for verdict in self.agreement.compare(others):
+            new = [p for p in verdict.disputed if self.disputed.get(p, -1) < verdict.step]
+            for peer in verdict.disputed:
+                self.disputed[peer] = verdict.step
+            if verdict.behind:
+                self.split_from = verdict
+                outcome = "a majority holds another θ̄: this peer takes the swarm's state again"
+            elif verdict.settled:
+                self.distrusted.update(verdict.disputed)  # split off from the majority: never a donor
+                outcome = "a majority holds this peer's θ̄"
+            else:
+                outcome = "no majority: nobody can tell which θ̄ is the swarm's"
+            self.unsettled = None if verdict.settled else verdict
+            if new:
+                who = ", ".join(p[:12] for p in new)
+                log.warning("θ̄ after step %d differs here and on %s (%s)", verdict.step, who, outcome)
+
+    def check_split(self) -> None:
+        """``Rejoin`` when a majority of the peers holds another θ̄ than this peer's."""
+        if self.split_from is not None:
+            verdict, self.split_from = self.split_from, None
+            raise Rejoin(
+                f"θ̄ after step {verdict.step} differs from the one a majority of the peers hold (this "
+                f"peer's disagrees with {', '.join(p[:12] for p in verdict.disputed)})"
+            )
+
+    def forget_theta(self) -> None:
+        """This peer is about to take the swarm's state: its digests and verdicts are of the past."""
+        self.agreement.forget()
+        self.split_from = self.unsettled = None
+
+    # ---- the tasks ----
+
+    async def _watch_for_lapse(self) -> None:
+        """Notice that this process was stopped (SIGSTOP, a suspended VM, swap) for longer than its
+        record lives: the others have taken it for gone and gone on without it, so it must not
+        carry on as if it were still in their rounds: it takes the swarm's state again."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            now = time.monotonic()
+            if now - last > self.board.ttl_s - self.heartbeat_s:  # its last record may have lapsed
+                what = (
+                    f"this peer was stopped for {now - last:.0f} s, longer than its board record lives "
+                    f"({self.board.ttl_s:.0f} s): the swarm has gone on without it"
+                )
+                if not self.can_rejoin:
+                    raise UserError(f"{what}, and a ddp peer cannot take the swarm's state again; it stops")
+                self.on_lapse()  # the next heartbeat must not say "training" any more
+                raise Rejoin(what)
+            last = now
+
+    async def _heartbeat(self) -> None:
+        """Keep this peer on the board and its view fresh without ever waiting on a slow DHT call."""
+        board = self.board
+        publishing: asyncio.Task[None] | None = None
+        reading: asyncio.Task[None] | None = None
+        read_ok = time.monotonic()
+        last_error = "none"
+        summary_at = time.monotonic()
+        lapsed_warned = False
+        try:
+            while True:
+                await asyncio.sleep(self.heartbeat_s)
+                if not board.dht.is_alive():  # not congestion: nothing will answer again
+                    raise UserError(
+                        "lost the swarm's DHT: its process has died; this peer can no longer train with "
+                        "the others"
+                    )
+                for task in (publishing, reading):
+                    if task is not None and task.done() and (exc := task.exception()) is not None:
+                        if not isinstance(exc, ConnectionError):
+                            raise exc
+                        last_error = str(exc)
+                        log.warning("notice board unreachable: %s", exc)
+                    elif task is reading and task is not None and task.done():
+                        read_ok = time.monotonic()
+                if publishing is not None and publishing.done():
+                    publishing = None
+                if reading is not None and reading.done():
+                    reading = None
+                if publishing is None and not board.publishing:
+                    publishing = asyncio.create_task(self.refresh(read=False))
+                else:
+                    board.skipped += 1
+                if reading is None:
+                    reading = asyncio.create_task(self.refresh(publish=False))
+                now = time.monotonic()
+                silent, blind = now - board.landed_at, now - read_ok
+                if max(silent, blind) > board.give_up_s:
+                    what = (
+                        f"no publish reached another node for {silent:.0f} s"
+                        if silent > board.give_up_s
+                        else f"no read of the board succeeded for {blind:.0f} s"
+                    )
+                    raise UserError(
+                        f"lost the swarm's DHT: {what} (the limit is max(60 s, 4 record lifetimes) = "
+                        f"{board.give_up_s:.0f} s; last error: {last_error}); the others no longer see "
+                        "this peer, so it can no longer train with them"
+                    )
+                if silent > board.landed_lifetime_s and not lapsed_warned:
+                    log.warning(
+                        "no publish reached another node for %.0f s: this peer's record (lifetime %.0f s) "
+                        "has probably lapsed on the others' boards",
+                        silent,
+                        board.landed_lifetime_s,
+                    )
+                lapsed_warned = silent > board.landed_lifetime_s
+                if now - summary_at >= 30:
+                    log.info("notice board: %s", board.stats())
+                    summary_at = now
+        finally:
+            for task in (publishing, reading):
+                if task is not None:
+                    task.cancel()
+            log.info("notice board: %s", board.stats())

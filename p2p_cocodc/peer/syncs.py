@@ -1,0 +1,506 @@
+"""A peer's replica and its syncs: the ``Driver`` the replica loop (``run/loop.py``) drives on a
+peer, one replica trained against the swarm on the wall clock.
+
+- Each inner step runs in a dedicated training thread, so the event loop stays free to serve the
+  other peers' fragment exchanges (ddp: the gradient round runs between backward and update).
+- A send takes only the snapshot between steps (on the device); the copy to the host, the outer
+  gradient, the round and the outer step its result leads to run in the sync's task.
+- A result due is waited for (the wait is the recorded stall), then merged; a round that failed on
+  every peer alike is abandoned alike (θ̄ stays identical); one the others completed without this
+  peer (``RoundLost``) leaves θ̄ behind theirs, so the replica takes the swarm's state again
+  (``Rejoin``); syncs that keep failing mean it is not training with a swarm (``SyncsFailing``).
+- CoCoDC's pace: each round's group takes the largest send-slot spacing its members ask for, and
+  every peer applies it with the round.
+
+Peer i computes exactly what simulator worker i computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2p_cocodc.algorithms.devices import HostCopy, peak_memory_bytes
+from p2p_cocodc.algorithms.state import expect_list, expect_tensor
+from p2p_cocodc.algorithms.strategies import AlgoSettings, PreparedResult
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.models.data import Shard
+from p2p_cocodc.ops.monitoring import PeerMetrics
+from p2p_cocodc.peer.presence import Presence
+from p2p_cocodc.peer.region import Region
+from p2p_cocodc.run.loop import Rejoin, SyncsFailing
+from p2p_cocodc.run.records import Records, params_sha256
+from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes
+from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
+from p2p_cocodc.swarm.records import NONE_YET
+from p2p_cocodc.swarm.state_transfer import StateServer
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 3.0  # on SIGINT/SIGTERM, how long syncs in flight may still take
+FAILING_STREAK = 3  # this many syncs of every fragment failing in a row: the swarm is not syncing
+MAX_RESYNCS = 5  # a peer that had to take the swarm's state again this often stops
+
+
+def fragment_round(p: int, step: int) -> str:
+    """The id of the round that syncs fragment ``p`` sent after inner step ``step``."""
+    return f"f{p}:{step}"
+
+
+class SwarmReplica:
+    """One peer's replica, trained with the swarm. Built with the replica; ``attach`` gives it the
+    swarm's parts once they run, and ``take_state`` (the peer's) how to take the swarm's state again."""
+
+    def __init__(
+        self,
+        setup: TrainingSetup,
+        settings: AlgoSettings,
+        region: Region | None,
+        metrics: PeerMetrics,
+        pace: str,
+        round_timeout_s: float,
+        step_time_s: float | None,
+    ) -> None:
+        self.setup = setup
+        self.cfg = setup.cfg
+        self.settings = settings
+        self.region = region  # rank 0 of a region of several processes (torchrun): ``region.py``
+        self.metrics = metrics
+        self.pace = pace
+        self.round_timeout_s = round_timeout_s
+        self.trainer, self.strategy = setup.replica(settings)
+        if region is not None:
+            region.wrap(self.trainer)
+        self.eval_model = setup.eval_model()
+        self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
+        self.step = 0
+        self.step_time_s = step_time_s or 0.0
+        self.stall_s = 0.0
+        self.eval_s = 0.0  # evaluation time, kept out of the training throughput
+        self.steps_trained = 0  # inner steps this process trained (a joiner's run starts past step 0)
+        self.train_started: float | None = None  # perf_counter when training began (after the wait)
+        self.val_ppl = NONE_YET  # the latest evaluation of θ̄
+        self.versions = [0] * max(1, len(self.strategy.fragments))
+        self.shard_index: int | None = None
+        self.joined_at = 0  # the step whose end this replica took the swarm's state at (0: started the run)
+        self.resyncs = 0  # times it took the state again after it fell out of the swarm
+        self.pending: dict[int, asyncio.Task[PreparedResult]] = {}
+        self.failed_in_a_row = 0  # syncs that failed since the last one that completed
+        self.paced_before = False  # the swarm has sent less than configured, and this peer said so
+        self.data: Shard | None = None
+        # given by ``attach`` once the swarm's parts run
+        self.exchange: FragmentExchange | None = None
+        self.state_server: StateServer | None = None
+        self.presence: Presence | None = None
+        self.records = Records(None)  # the run's records (the peer gives it its own): a checkpoint holds them
+        self.stop = asyncio.Event()
+        self.take_state: Callable[[], Awaitable[None]] | None = None
+        self.on_step: Callable[[], None] = lambda: None
+        self.peer_id = ""
+
+    def attach(
+        self,
+        exchange: FragmentExchange,
+        state_server: StateServer | None,
+        presence: Presence,
+        stop: asyncio.Event,
+        take_state: Callable[[], Awaitable[None]],
+        on_step: Callable[[], None],
+    ) -> None:
+        """The swarm's parts, the run's stop request, how to take the swarm's state again, and what
+        to call after each step (the peer's metrics)."""
+        self.exchange, self.state_server, self.presence = exchange, state_server, presence
+        self.stop, self.take_state = stop, take_state
+        self.on_step = on_step
+        self.peer_id = presence.peer_id
+
+    # ---- sizes ----
+
+    def round_bytes(self) -> int:
+        """What this peer sends in the largest round: a butterfly over up to --max-peers members."""
+        return allreduce_wire_bytes(self.setup.codec, self.strategy.largest_round(), self.cfg.data_shards)
+
+    def max_message_bytes(self) -> int:
+        """The largest message of the run: the largest round's average in fp32 (a FETCH answer), or
+        a slice of it encoded with the run's codec, plus room for the message's other fields."""
+        numel = self.strategy.largest_round()
+        return max(4 * numel, self.setup.codec.wire_bytes(numel)) + 64 * 1024
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.exchange.stats.bytes_sent if self.exchange is not None else 0
+
+    def refused(self, count: int = 4) -> dict[str, int]:
+        """The peers this peer refused most (non-members, limits exceeded), by its exchange and its
+        state server: what its record and summary name."""
+        tally: Counter[str] = Counter()
+        for server in (self.exchange, self.state_server):
+            if server is not None:
+                tally += server.limiter.refused
+        return dict(tally.most_common(count))
+
+    def tokens_per_s(self) -> float:
+        """Tokens this process trained per second since training began, evaluations left out (the
+        wait for peers comes before): what the summary reports and the record shows meanwhile."""
+        if self.train_started is None:
+            return 0.0
+        training_s = time.perf_counter() - self.train_started - self.eval_s
+        return self.steps_trained * self.cfg.batch_size * self.cfg.seq_len / max(training_s, 1e-9)
+
+    # ---- state: checkpoints, a joiner's, a resumed run's ----
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything this peer needs to go on after ``self.step`` bit-exactly, with the others: its
+        replica and AdamW state, its strategy (θ̄, outer momentum, schedule, syncs in flight with
+        their snapshots: a resumed swarm runs those syncs again with the same payloads), fragment
+        versions, data shard, the records written so far, torch's RNG. Tensors are live."""
+        return {
+            "step": self.step,
+            "shard": self.shard_index,
+            "joined_at": self.joined_at,
+            "versions": list(self.versions),
+            "trainer": self.trainer.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "records": list(self.records.kept),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if int(state["shard"]) != self.shard_index:
+            raise ValueError(f"it reads data shard {state['shard']}, this peer {self.shard_index}")
+        self.trainer.load_state_dict(state["trainer"])
+        if self.region is not None:
+            self.region.whole = True
+        self.strategy.load_state_dict(state["strategy"])
+        self.versions = expect_list(state["versions"], len(self.versions), int, "fragment versions")
+        self.step, self.joined_at = int(state["step"]), int(state["joined_at"])
+        self.records.kept = list(state["records"])
+        torch.set_rng_state(expect_tensor(state["rng"]["torch"], torch.get_rng_state(), "torch RNG state"))
+
+    def shared_state(self) -> dict[str, Any]:
+        """A copy of what every live peer holds identically now, for a joiner (a step boundary)."""
+        return {"strategy": copy.deepcopy(self.strategy.shared_state()), "versions": list(self.versions)}
+
+    def join_from(self, state: dict[str, Any], step: int) -> None:
+        """Become the replica of a peer that takes the swarm's shared state at the end of ``step``:
+        a fresh AdamW, every parameter set to θ̄; the syncs in flight then it fetches the averages
+        of, and applies them when they are due, like every other peer."""
+        self.cancel_syncs()
+        self.trainer.reset()
+        self.strategy = self.setup.strategy(self.trainer.model, self.settings)
+        if self.region is not None:
+            self.region.whole = True
+        try:
+            self.strategy.join_from(state["strategy"])  # type: ignore[attr-defined]
+            versions = expect_list(state["versions"], len(self.versions), int, "fragment versions")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"the state the donors sent does not fit this run ({exc})") from None
+        self.versions = versions
+        self.step = self.joined_at = step
+        for p, sync in self.strategy.in_flight.items():
+            size = torch.zeros_like(self.strategy.outer[p].global_params)  # type: ignore[attr-defined]
+            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, size, pace=None))
+        self.failed_in_a_row = 0
+
+    def rerun_in_flight(self) -> None:
+        """After a whole-swarm resume: run again the syncs in flight at the checkpoint, with the
+        payloads they had (θ̄_p has not moved since the send: Δ_p = θ̄_p − snapshot_p)."""
+        for p, sync in self.strategy.in_flight.items():
+            vector = self.strategy.outer_gradient(p, sync.snapshot.cpu())  # type: ignore[attr-defined]
+            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, vector, self._pace_wish()))
+
+    def cancel_syncs(self) -> None:
+        for task in self.pending.values():
+            task.cancel()
+        self.pending.clear()
+
+    def close(self) -> None:
+        self.cancel_syncs()
+        self.train_pool.shutdown(wait=True, cancel_futures=True)
+
+    # ---- the replica loop's driver ----
+
+    def start_training(self) -> None:
+        """From now on this replica trains (``tokens_per_s`` counts from here): its data shard read."""
+        assert self.shard_index is not None
+        self.data = self.setup.shard(self.shard_index, self.cfg.data_shards)
+        self.train_started = time.perf_counter()
+
+    def stop_signal(self) -> str | None:
+        return "a signal" if self.stop.is_set() else None
+
+    async def stopped(self, step: int, checkpoint: Path | None) -> None:
+        log.warning("stopping after step %d on a signal", step)
+
+    async def before_step(self) -> None:
+        assert self.presence is not None
+        self.presence.check()
+        self.presence.check_split()
+
+    async def train_step(self, step: int) -> float:
+        assert self.data is not None
+        started = time.perf_counter()
+        loss = await self._inner_step(step, *self.data.batch(step - 1))
+        elapsed = time.perf_counter() - started
+        self.step_time_s = elapsed if step == 1 else 0.9 * self.step_time_s + 0.1 * elapsed
+        self.steps_trained += 1
+        return loss
+
+    async def _inner_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.region is not None:
+            region = self.region
+            return await self.compute(region.lead_step, self.trainer, self.shard_index, x, y, step)
+        if not self.strategy.averages_gradients:
+            return await self.compute(self.trainer.step, x, y, step)
+        # the gradient all-reduce sits between backward and the optimizer step
+        assert self.exchange is not None
+        loss = await self.compute(self.trainer.backward, x, y)
+        started = time.perf_counter()
+        try:
+            averaged = await self.exchange.allreduce(f"g:{step}", self.strategy.gradient_payload(), step)
+            self.metrics.round_seconds.observe(time.perf_counter() - started)
+        except RoundLost as exc:
+            raise UserError(
+                f"the swarm averaged the gradients of step {step} without this peer and that average "
+                f"is gone ({exc}); this peer's model is no longer the swarm's, so it stops"
+            ) from None
+        except RoundFailed as exc:
+            log.warning("gradient all-reduce of step %d failed (%s); step skipped", step, exc)
+            self._record_round(f"g:{step}", completed=False)
+            return loss
+        finally:
+            self.stall_s += time.perf_counter() - started
+        self._record_round(f"g:{step}", completed=True)
+        self.strategy.apply_gradients(averaged)
+        await self.compute(self.trainer.update, step)
+        return loss
+
+    def due(self, step: int) -> list[int]:
+        return self.strategy.due(step)
+
+    def sends_after(self, step: int) -> list[int]:
+        return [] if self.stop.is_set() else self.strategy.sends_after(step)
+
+    def send(self, p: int, step: int) -> None:
+        """Start the sync of fragment ``p`` after ``step``. Between two steps only the snapshot is
+        taken (on the device); its copy to the host, the outer gradient, the exchange and the outer
+        step the result leads to run in the sync's task (``_sync``)."""
+        snapshot = self.setup.placement.to_host(self.strategy.send(p, step))  # type: ignore[attr-defined]
+        self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, self._pace_wish()))
+
+    async def _sync(self, p: int, step: int, snapshot: HostCopy, pace: int) -> PreparedResult:
+        """One fragment sync, off the training thread: Δ_p = θ̄_p − θ_p from the snapshot's host
+        copy, the round, then the result prepared for ``Strategy.apply`` (the outer step on the
+        CPU, the new θ̄_p copied to the device) so that applying it between two steps costs only
+        the merge."""
+        host = snapshot.tensor if snapshot.done() else await asyncio.to_thread(snapshot.wait)
+        vector = self.strategy.outer_gradient(p, host)  # type: ignore[attr-defined]
+        return await self._round(p, step, vector, pace)
+
+    async def _round(self, p: int, sent_step: int, vector: torch.Tensor, pace: int | None) -> PreparedResult:
+        """The round of fragment p sent after ``sent_step``: with ``vector`` and the ``pace`` this
+        peer asks for, or (``pace`` None: a sync in flight when this peer took the swarm's state)
+        only fetching its average; then the result prepared for ``Strategy.apply``."""
+        assert self.exchange is not None
+        strategy = self.strategy
+        round_id = fragment_round(p, sent_step)
+        take_part = pace is not None
+        started = time.perf_counter()
+        averaged = await self.exchange.allreduce(round_id, vector, sent_step, take_part, pace or 0)
+        self.metrics.round_seconds.observe(time.perf_counter() - started)
+        return await asyncio.to_thread(strategy.prepare, p, averaged)  # type: ignore[attr-defined]
+
+    def _pace_wish(self) -> int:
+        """The send-slot spacing this peer's link keeps up with (0: none, or --pace fixed): each
+        round's group takes the largest its members ask for. The link's busy time per round is
+        measured (``LinkMeter``); until a delivery was acknowledged, it is what the declared link
+        (--bandwidth-mbps) would take for a round's bytes."""
+        assert self.exchange is not None
+        if self.pace == "fixed" or self.strategy.send_spacing() is None:
+            return 0
+        measured = self.exchange.link.busy_per_round_s()
+        busy = measured or 8.0 * self.exchange.round_bytes / (self.cfg.bandwidth_mbps * 1e6)
+        return self.strategy.pace_wish(busy, self.step_time_s)
+
+    async def apply(self, p: int, step: int) -> bool:
+        assert self.exchange is not None and self.presence is not None
+        task = self.pending[p]
+        waited = time.perf_counter()
+        stopping = asyncio.ensure_future(self.stop.wait())
+        try:  # a signal, or a lost swarm, is noticed while a sync is still running
+            await asyncio.wait({task, stopping, *self.presence.guards()}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            self.stall_s += time.perf_counter() - waited
+        self.presence.check()
+        if not task.done():
+            return False
+        del self.pending[p]
+        strategy = self.strategy
+        round_id = fragment_round(p, strategy.in_flight[p].sent_step)
+        try:
+            prepared = task.result()
+        except RoundFailed as exc:
+            self._sync_failed(p, step, exc)
+            self._record_round(round_id, completed=False)
+            return True
+        self.failed_in_a_row = 0
+        self._record_round(round_id, completed=True)
+        was = strategy.send_spacing()
+        strategy.apply(p, prepared, step, spacing=self.exchange.groups[round_id].pace)  # type: ignore[attr-defined]
+        if self.region is not None:
+            self.region.changed_params(strategy.fragments[p].params, self.trainer.model)
+        self.versions[p] += 1
+        if strategy.send_spacing() != was:
+            self._paced(was, round_id)
+        return True
+
+    def _paced(self, was: int | None, round_id: str) -> None:
+        """Say that the swarm's pace changed: a warning the first time it sends less than asked."""
+        schedule = self.strategy.schedule  # type: ignore[attr-defined] - only a paced schedule changes
+        now = schedule.spacing
+        first = not self.paced_before and now > schedule.base_spacing
+        self.paced_before |= first
+        log.log(
+            logging.WARNING if first else logging.INFO,
+            "the swarm now sends a fragment every %s steps (was %s): round %s agreed on the pace its "
+            "slowest link keeps up with%s",
+            now,
+            was,
+            round_id,
+            " (further changes are logged with --verbose)" if first else "",
+        )
+
+    def _record_round(self, round_id: str, completed: bool) -> None:
+        """One record in --out for every sync this peer settles: the round's group (data shards, in
+        member order), the pace it agreed on and whether it completed. ``simulate --events``
+        replays them."""
+        assert self.exchange is not None
+        group = self.exchange.groups.get(round_id) if completed else None
+        members, pace = (list(group.shards), group.pace) if group is not None else ([], 0)
+        record = {"kind": "round", "round": round_id, "step": self.step, "members": members, "pace": pace}
+        self.records.write({**record, "completed": completed})
+
+    def _sync_failed(self, p: int, step: int, exc: RoundFailed) -> None:
+        """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one
+        the others completed without us (``RoundLost``) leaves θ̄ behind theirs, so this peer takes
+        the swarm's state again; and syncs that keep failing mean it is not training with a swarm."""
+        strategy = self.strategy
+        if isinstance(exc, RoundLost):
+            raise Rejoin(
+                f"the swarm completed the sync of fragment {p} sent after step "
+                f"{strategy.in_flight[p].sent_step} without this peer, and its average is no longer "
+                f"kept ({exc})"
+            )
+        log.warning("sync of fragment %d after step %d failed on every peer (%s); skipped", p, step, exc)
+        strategy.abandon(p)  # type: ignore[attr-defined]
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row >= FAILING_STREAK * len(strategy.fragments):
+            raise SyncsFailing(
+                f"the last {self.failed_in_a_row} syncs all failed (last: {exc}); this peer is not "
+                "training with the swarm. Check that the other peers are reachable (--announce, "
+                "firewall) and alive (the bootstrap's /status)"
+            )
+
+    async def after_boundary(self, step: int) -> None:
+        if self.state_server is not None:
+            self.state_server.step_done(step)
+
+    def step_done(self, step: int) -> None:
+        self.on_step()
+
+    async def rejoin(self, why: Rejoin) -> None:
+        """This peer fell out of the swarm: take the swarm's state again, as a joiner."""
+        assert self.take_state is not None and self.presence is not None
+        self.resyncs += 1
+        if self.resyncs > MAX_RESYNCS:
+            raise UserError(
+                f"{why}; this peer had to take the swarm's state {MAX_RESYNCS} times already, so it stops: "
+                "is this machine stopped or cut off again and again?"
+            )
+        log.warning("%s: taking the swarm's state again (resync %d)", why, self.resyncs)
+        self.presence.watch()  # the lapse watch ended with this Rejoin, if it raised it
+        await self.take_state()
+
+    async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.train_pool, fn, *args)
+
+    def clock_field(self) -> dict[str, float]:
+        assert self.train_started is not None
+        return {"wall_time_s": time.perf_counter() - self.train_started}
+
+    async def evaluated(
+        self, step: int, state: dict[str, torch.Tensor], record: dict[str, Any], started: float
+    ) -> None:
+        assert self.presence is not None
+        self.presence.agreement.record(step, await self.compute(params_sha256, state))
+        self.eval_s += time.perf_counter() - started
+        self.val_ppl = min(record["val_ppl"], 1e308)  # a record's numbers are finite (inf: loss past 700)
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return self.strategy.global_state()
+
+    async def finish(self, stopping: bool) -> None:
+        """Let the syncs still running finish (the other peers need our slices); apply none of
+        them, as the simulator's run ends with them unapplied. Stopped by a signal, the other peers
+        are likely stopping too: wait only briefly."""
+        timeout = STOP_GRACE_S if stopping else self.round_timeout_s * 2
+        if self.pending:
+            await asyncio.wait(self.pending.values(), timeout=timeout)
+        for task in self.pending.values():
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is not None:
+                log.info("a final sync failed: %s", task.exception())
+        self.pending.clear()
+
+    def unfinished(self, failure: str | None) -> str | None:
+        """Why this peer's θ̄ is not a finished run's (its --save goes to a partial folder), if it is not."""
+        assert self.presence is not None
+        if failure is not None:
+            return failure
+        if self.presence.split_from is not None or self.presence.unsettled is not None:
+            return "its θ̄ is not the one the swarm holds"
+        if self.step < self.cfg.steps:
+            return f"stopped after step {self.step} of {self.cfg.steps}"
+        return None
+
+    def summary_fields(self, failure: str | None) -> dict[str, Any]:
+        assert self.exchange is not None and self.presence is not None
+        stats, presence = self.exchange.stats, self.presence
+        assert self.train_started is not None
+        return {
+            "bytes_sent": stats.bytes_sent,
+            "stall_s": self.stall_s,
+            "wall_time_s": time.perf_counter() - self.train_started,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s(),
+            "peak_memory_bytes": peak_memory_bytes(self.setup.placement.device),
+            "rounds_done": stats.rounds_done,
+            "rounds_failed": stats.rounds_failed,
+            "bytes_resent": stats.bytes_resent,
+            "bytes_served": stats.bytes_served,
+            "peer_id": self.peer_id,
+            "shard": self.shard_index,
+            "joined_at": self.joined_at,
+            "resyncs": self.resyncs,
+            "state_copy_s": self.state_server.copy_s if self.state_server else 0.0,
+            "send_spacing": self.strategy.send_spacing(),
+            "key_id": self.exchange.key_id,
+            "refused": self.refused(count=16),
+            "outliers": dict(self.exchange.outliers.most_common(16)),
+            "accused": dict(self.exchange.accused.most_common(16)),
+            "theta_disputed": dict(presence.disputed),
+            "theta_unsettled_step": presence.unsettled.step if presence.unsettled is not None else None,
+            "theta_behind_step": presence.split_from.step if presence.split_from is not None else None,
+            "failure": failure,
+        }

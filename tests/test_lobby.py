@@ -1,0 +1,404 @@
+"""The lobby's admission rules (``peer/lobby.py``), decided on made-up boards: no DHT, no clock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p_cocodc.errors import UserError
+from p2p_cocodc.peer import lobby
+from p2p_cocodc.peer.lobby import Donors, Join, Mismatch, Seat, Start, Wait, admit
+
+
+@dataclass(frozen=True)
+class R:
+    """A made-up board record: only the fields the lobby reads."""
+
+    state: str = "waiting"
+    step: int = 0
+    shard: int | None = None
+    fingerprint: str = "fp"
+    key_id: str = "open"
+    resume_step: int = -1
+
+
+ME = "bbb"
+SEAT = Seat(
+    peer_id=ME, run_id="r", fingerprint="fp", key_id="open", is_open=True, workers=3, data_shards=4, steps=100
+)
+
+
+def seat(**changes: object) -> Seat:
+    return replace(SEAT, **changes)  # type: ignore[arg-type]
+
+
+def t(step: int = 0, **fields: object) -> R:
+    return R(state="training", step=step, **fields)  # type: ignore[arg-type]
+
+
+def decide(view: dict[str, R], me: Seat = SEAT, first: dict[str, int] | None = None) -> lobby.Admission:
+    return admit(view, me, first or {})[0]
+
+
+def watched(views: list[dict[str, R]], me: Seat = SEAT) -> lobby.Admission:
+    """The decision after looking at each board in turn (the steps first seen carried along)."""
+    first: dict[str, int] = {}
+    for view in views:
+        decision, first = admit(view, me, first)
+    return decision
+
+
+# ---- starting together ----
+
+W = R()  # a waiting peer without a shard
+START_CASES = {
+    "exactly --workers": ({"aaa": W, ME: W, "ccc": W}, SEAT, Start(1, None, ("aaa", ME, "ccc"))),
+    "first in id order": ({"ccc": W, ME: W, "ddd": W}, SEAT, Start(0, None, ("bbb", "ccc", "ddd"))),
+    "others' --shard skipped": (
+        {"aaa": R(shard=0), ME: W, "ccc": W},
+        SEAT,
+        Start(1, None, ("aaa", ME, "ccc")),
+    ),
+    "settled peers not counted": (
+        {"aaa": R(shard=1), ME: W, "ccc": W},
+        SEAT,
+        Start(0, None, ("aaa", ME, "ccc")),
+    ),
+    "--shard kept": ({"aaa": W, ME: W, "ccc": W}, seat(shard=2), Start(2, None, ("aaa", ME, "ccc"))),
+    "own stale record's shard not kept": (
+        {"aaa": W, ME: R(shard=0), "ccc": W},
+        SEAT,
+        Start(1, None, ("aaa", ME, "ccc")),
+    ),
+    "training peers at step 0 count": (
+        {"aaa": t(), ME: W, "ccc": t()},
+        SEAT,
+        Start(1, None, ("aaa", ME, "ccc")),
+    ),
+    "a finished peer's shard is free": (
+        {"aaa": W, ME: W, "ccc": W, "ddd": R(state="done", shard=0)},
+        seat(shard=0),
+        Start(0, None, ("aaa", ME, "ccc")),
+    ),
+    "strangers ignored": (
+        {"aaa": W, ME: W, "ccc": W, "zzz": R(fingerprint="other")},
+        SEAT,
+        Start(1, None, ("aaa", ME, "ccc")),
+    ),
+    "too few": ({"aaa": W, ME: W}, SEAT, Wait("only 2 of --workers 3 peers joined", ("aaa", ME))),
+    "not on the board yet": (
+        {"aaa": W, "ccc": W, "ddd": W},
+        SEAT,
+        Wait("only 3 of --workers 3 peers joined", ("aaa", "ccc", "ddd")),
+    ),
+    "joining and leaving peers are not live": (
+        {"aaa": R(state="joining"), ME: W, "ccc": R(state="leaving")},
+        SEAT,
+        Wait("only 1 of --workers 3 peers joined", (ME,)),
+    ),
+}
+
+
+@pytest.mark.parametrize("view, me, expected", START_CASES.values(), ids=START_CASES.keys())
+def test_start(view: dict[str, R], me: Seat, expected: lobby.Admission) -> None:
+    assert decide(view, me) == expected
+
+
+ERROR_CASES = {
+    "shard already taken": (
+        {"aaa": R(shard=2), ME: W, "ccc": W},
+        seat(shard=2),
+        "--shard 2/4 is already read by peer aaa: give each peer its own shard",
+    ),
+    "too many peers": (
+        {"aaa": W, ME: W, "ccc": W, "ddd": W},
+        SEAT,
+        "4 peers joined run 'r' but --workers is 3: give every peer the same --workers",
+    ),
+    "fresh while others resume": (
+        {"aaa": R(resume_step=8), ME: R(resume_step=10), "ccc": W},
+        seat(resume_step=10),
+        "peers ccc start run 'r' afresh while others resume it: start every peer with --resume",
+    ),
+    "this one fresh while others resume": (
+        {"aaa": R(resume_step=8), ME: W, "ccc": R(resume_step=8)},
+        SEAT,
+        "peers bbb start run 'r' afresh while others resume it",
+    ),
+    "open peer among keyed ones": (
+        {"aaa": R(key_id="k1"), ME: W},
+        SEAT,
+        "run 'r' admits only holders of its swarm key or of its owner's certificate (key id k1)",
+    ),
+    "ddp under way": (
+        {"aaa": t(5), ME: W},
+        seat(can_take_state=False),
+        "run 'r' is under way, and a ddp run cannot take a peer in progress: use another --run-id",
+    ),
+    "run full": (
+        {"aaa": t(5, shard=0), ME: W, "ccc": t(5, shard=1)},
+        seat(data_shards=2, workers=2),
+        "run 'r' is full: its peers read all 2 data shards (--max-peers 2); wait for a peer to leave",
+    ),
+    "joiner's --shard taken": (
+        {"aaa": t(5, shard=3), ME: W},
+        seat(shard=3),
+        "--shard 3/4 is already read by peer aaa",
+    ),
+}
+
+
+@pytest.mark.parametrize("view, me, message", ERROR_CASES.values(), ids=ERROR_CASES.keys())
+def test_refused(view: dict[str, R], me: Seat, message: str) -> None:
+    moved = {p: replace(r, step=r.step + 1) if r.state == "training" else r for p, r in view.items()}
+    with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        watched([view, moved], me)
+
+
+# ---- resuming ----
+
+
+def test_resume_from_the_smallest_common_step() -> None:
+    view = {
+        "aaa": R(resume_step=8, shard=0),
+        ME: R(resume_step=10, shard=1),
+        "ccc": R(resume_step=12, shard=2),
+    }
+    assert decide(view, seat(resume_step=10, shard=1)) == Start(1, 8, ("aaa", ME, "ccc"))
+
+
+def test_dead_swarm_records_are_ignored_while_resuming() -> None:
+    dead = {"aaa": t(12, shard=0), "ccc": t(12, shard=2)}  # killed past step 0, never resumed
+    back = {"ddd": R(resume_step=10, shard=0), "eee": R(resume_step=10, shard=2)}
+    me = seat(resume_step=10, shard=1)
+    board = {**dead, **back, ME: R(resume_step=10, shard=1)}
+    # their shards are not taken, and they are not a run under way, for as long as they don't move
+    assert watched([board, board], me) == Start(1, 10, (ME, "ddd", "eee"))
+    # a fresh peer sees a run under way that has not moved (yet)
+    assert decide({**dead, ME: W}) == Wait("no training peer moved in")
+
+
+def test_a_moving_record_is_not_dead() -> None:
+    me = seat(resume_step=10, shard=1)
+    before = {"aaa": t(12, shard=0), ME: R(resume_step=10, shard=1)}
+    after = {**before, "aaa": t(13, shard=0)}
+    assert watched([before, after], me) == Join(1)  # the swarm went on: take its state, keep the shard
+
+
+def test_resumed_training_peers_are_not_dead() -> None:
+    view = {"aaa": t(10, resume_step=10), "ccc": t(10, resume_step=10), ME: R(resume_step=10)}
+    # they train from their checkpoint of step 10 and wait at 10: not past their start
+    assert decide(view, seat(resume_step=10)) == Start(1, 10, ("aaa", ME, "ccc"))
+
+
+# ---- joining a run under way ----
+
+
+def test_under_way_only_once_a_step_moved() -> None:
+    view = {"aaa": t(5, shard=0), "ccc": t(5, shard=1), ME: W}
+    first: dict[str, int] = {}
+    decision, first = admit(view, SEAT, first)
+    assert decision == Wait("no training peer moved in") and first == {"aaa": 5, "ccc": 5}
+    decision, first = admit(view, SEAT, first)  # nothing moved
+    assert decision == Wait("no training peer moved in")
+    decision, first = admit({**view, "ccc": t(6, shard=1)}, SEAT, first)
+    assert decision == Join(2) and first == {"aaa": 5, "ccc": 5}  # the first step seen is kept
+
+
+JOIN_CASES = {
+    "first free shard": ({"aaa": t(5, shard=0), "ccc": t(5, shard=1)}, SEAT, Join(2)),
+    "--workers training at step 0 moving": ({"aaa": t(0), "ccc": t(0), "ddd": t(0)}, SEAT, Join(0)),
+    "one peer past its start": ({"aaa": t(5, shard=1)}, SEAT, Join(0)),
+    "--shard kept": ({"aaa": t(5, shard=0)}, seat(shard=3), Join(3)),
+    "the identity's previous shard": (
+        {"aaa": t(5, shard=0), ME: t(40, shard=3)},
+        SEAT,
+        Join(3),
+    ),
+    "previous shard now taken": (
+        {"aaa": t(5, shard=3), ME: t(40, shard=3)},
+        SEAT,
+        Join(0),
+    ),
+    "finished peers read no shard": (
+        {"aaa": t(5, shard=1), "ccc": R(state="done", step=9, shard=0)},
+        SEAT,
+        Join(0),
+    ),
+    "a resumer's checkpoint gives way": ({"aaa": t(20, shard=0)}, seat(resume_step=10, shard=2), Join(2)),
+}
+
+
+@pytest.mark.parametrize("view, me, expected", JOIN_CASES.values(), ids=JOIN_CASES.keys())
+def test_join(view: dict[str, R], me: Seat, expected: lobby.Admission) -> None:
+    moved = {
+        p: replace(r, step=r.step + 1) if r.state == "training" and p != ME else r for p, r in view.items()
+    }
+    assert watched([view, moved], me) == expected
+
+
+# ---- the odd one out ----
+
+
+def test_other_options() -> None:
+    view = {"aaa": R(fingerprint="x"), "ccc": R(fingerprint="y", state="training"), ME: W}
+    assert decide(view) == Mismatch("aaa")
+    ours = {"--lr": 0.001, "--seed": 0}
+    error = lobby.mismatch_error(SEAT, "aaa", ours, {"aaa": {"options": {"--lr": 0.002, "--seed": 0}}})
+    assert str(error) == (
+        "peer aaa of run 'r' trains with other options (--lr 0.002 there, 0.001 here): start every peer "
+        "with the same options (or profile), or pick another --run-id"
+    )
+    for infos in ({}, {"aaa": "junk"}, {"aaa": {"options": 3}}):  # nothing readable: no list
+        assert "trains with other options: start" in str(lobby.mismatch_error(SEAT, "aaa", ours, infos))
+
+
+def test_a_keyed_peer_among_open_ones_hears_of_other_options() -> None:
+    keyed = seat(key_id="k2", is_open=False)
+    assert decide({"aaa": R(), ME: R(key_id="k2")}, keyed) == Mismatch("aaa")
+    assert decide({"aaa": R(key_id="k1"), ME: R(key_id="k2")}, keyed) == Mismatch("aaa")
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        {},
+        {ME: W},
+        {"aaa": R(fingerprint="x", state="done"), ME: W},  # only live strangers count
+        {"aaa": R(fingerprint="x"), "ccc": R(state="joining"), ME: W},  # one shares ours
+    ],
+)
+def test_no_odd_one_out(view: dict[str, R]) -> None:
+    assert lobby.odd_one_out(view, SEAT) is None
+
+
+# ---- step 1, donors, steps left ----
+
+
+def test_started() -> None:
+    assert lobby.started({"aaa": t(), ME: t(), "ccc": W}, SEAT) == Wait("only 2 of 3 peers started")
+    assert lobby.started({"aaa": t(), ME: t(), "ccc": t(), "zzz": t(fingerprint="x")}, SEAT) is None
+    assert lobby.started({"aaa": t(), ME: t(), "ccc": t(key_id="k")}, SEAT) == Wait(
+        "only 2 of 3 peers started"
+    )
+
+
+DONOR_VIEW = {
+    "aaa": t(5),
+    "ccc": t(7),
+    "ddd": t(7),
+    "eee": t(6),
+    ME: t(9),  # never itself
+    "fff": R(state="joining", step=9),
+    "ggg": R(state="done", step=10),
+    "hhh": t(50, fingerprint="x"),
+}
+
+
+@pytest.mark.parametrize(
+    "distrusted, expected",
+    [
+        (set(), ["ccc", "ddd", "eee"]),
+        ({"ccc"}, ["ddd", "eee", "aaa"]),
+        ({"ccc", "ddd", "eee"}, ["aaa"]),
+    ],
+)
+def test_donors(distrusted: set[str], expected: list[str]) -> None:
+    assert lobby.choose_donors(DONOR_VIEW, SEAT, distrusted) == expected
+    assert lobby.find_donors(DONOR_VIEW, SEAT, distrusted) == Donors(tuple(expected))
+
+
+def test_no_donors() -> None:
+    waiting = {ME: R(state="joining"), "aaa": R(state="joining"), "zzz": R(state="done", fingerprint="x")}
+    assert lobby.find_donors(waiting, SEAT, set()) == Wait("no peer to take the swarm's state from in")
+    assert lobby.find_donors({"aaa": t(5)}, SEAT, {"aaa"}) == Wait(
+        "no peer to take the swarm's state from in"
+    )
+    with pytest.raises(UserError, match="^run 'r' has finished without this peer: no peer trains any more"):
+        lobby.find_donors({**waiting, "ccc": R(state="done", step=100)}, SEAT, set())
+
+
+def test_steps_left() -> None:
+    lobby.check_steps_left(99, SEAT)
+    with pytest.raises(UserError, match="^run 'r' is at step 100 of --steps 100: nothing left to train$"):
+        lobby.check_steps_left(100, SEAT)
+
+
+# ---- the real record, and purity ----
+
+
+def test_board_records_fit() -> None:
+    from p2p_cocodc.swarm.records import PeerRecord
+
+    def record(state: str, shard: int | None) -> PeerRecord:
+        return PeerRecord(state, 0, shard, 4, 0.0, 0.0, "fp")
+
+    view = {"aaa": record("waiting", None), ME: record("waiting", None), "ccc": record("training", 0)}
+    assert decide(view) == Start(2, None, ("aaa", ME, "ccc"))  # aaa and bbb take 1 and 2, in id order
+
+
+def test_pure() -> None:
+    code = (
+        "import sys, p2p_cocodc.peer.lobby; "
+        "print(sorted(m for m in ('asyncio', 'hivemind', 'torch', 'socket') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---- every peer of a board computes the same split ----
+
+
+@st.composite
+def boards(draw: st.DrawFn) -> tuple[dict[str, R], int, list[str]]:
+    workers = draw(st.integers(1, 6))
+    ids = draw(
+        st.lists(
+            st.text("abcdef0123", min_size=1, max_size=6), min_size=workers, max_size=workers, unique=True
+        )
+    )
+    given_shards = draw(st.permutations(range(workers)))
+    resumes = draw(st.one_of(st.none(), st.lists(st.integers(0, 50), min_size=workers, max_size=workers)))
+    view: dict[str, R] = {}
+    noises = ["done", "stranger"] if workers > 1 else ["done"]  # a lone peer among strangers is odd
+    for i, noise in enumerate(draw(st.lists(st.sampled_from(noises), max_size=3))):
+        shard = draw(st.one_of(st.none(), st.integers(0, 3)))  # a finished peer's shard is free again
+        view[f"z{i}"] = R(state="done", shard=shard) if noise == "done" else R(fingerprint="x", shard=shard)
+    for i, peer in enumerate(ids):
+        view[peer] = R(
+            state=draw(st.sampled_from(["waiting", "training"])),
+            shard=given_shards[i] if draw(st.booleans()) else None,
+            resume_step=resumes[i] if resumes is not None else -1,
+        )
+    return view, workers, ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(boards())
+def test_every_peer_starts_with_its_own_shard(board: tuple[dict[str, R], int, list[str]]) -> None:
+    view, workers, peers = board
+    decisions = {
+        p: decide(
+            view,
+            seat(
+                peer_id=p,
+                workers=workers,
+                shard=r.shard,
+                resume_step=None if r.resume_step < 0 else r.resume_step,
+            ),
+        )
+        for p, r in view.items()
+        if p in peers  # the run's live peers (not the finished ones, nor strangers)
+    }
+    assert all(isinstance(d, Start) for d in decisions.values()), decisions
+    starts = [d for d in decisions.values() if isinstance(d, Start)]
+    assert sorted(d.shard for d in starts) == list(range(workers))
+    assert all(d.shard == view[p].shard for p, d in decisions.items() if view[p].shard is not None)
+    assert len({d.resume_step for d in starts}) == 1 and len({d.live for d in starts}) == 1
+    steps = [view[p].resume_step for p in peers]
+    assert starts[0].resume_step == (min(steps) if min(steps) >= 0 else None)
