@@ -188,15 +188,14 @@ class Simulation:
         update), then the clock moves on by a step's time."""
         started = time.perf_counter()
         losses = [w.trainer.backward(*w.shard.batch(step - 1)) for w in self.workers.values()]
-        if self._any_worker().strategy.averages_gradients and not self._average_gradients(step):
-            loss = sum(losses) / len(losses)  # the swarm's gradient round failed: every peer skipped the step
-        else:
+        # a gradient round the replayed swarm failed: every peer skipped the step's update
+        skipped = self._any_worker().strategy.averages_gradients and not self._average_gradients(step)
+        if not skipped:
             for w in self.workers.values():
                 w.trainer.update(step)
-            loss = sum(losses) / len(losses)
         compute = time.perf_counter() - started
         self.clock += self.step_time if self.step_time is not None else compute / len(self.workers)
-        return loss
+        return sum(losses) / len(losses)
 
     def _average_gradients(self, step: int) -> bool:
         """The gradient round of ``step`` (False: it failed, as the replayed swarm's did)."""
