@@ -7,7 +7,9 @@ swarm key) with one behaviour changed. Run it as ``python -m tests.hostile_peer 
 - ``flood``: at every round it reaches, it also opens 40 rounds that never end on every peer;
 - ``forge``: at every round it reaches, it hands every peer a group of that peer alone (each would
   complete the round alone, and θ̄ would split);
-- ``nan``: every outer gradient it sends is NaN (a broken region: every round it is in fails).
+- ``nan``: every outer gradient it sends is NaN (a broken region: every round it is in fails);
+- ``drift``: right before its last evaluation, its θ̄ moves by 1e-3 in one value: a split no round
+  sees, which only the peers' comparison of θ̄ digests can catch.
 
 MODES is a comma-separated list. Everything else is the landed peer, unchanged.
 """
@@ -18,10 +20,11 @@ import sys
 
 import torch
 
+from p2p_cocodc.peer.syncs import SwarmReplica
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.messages import Group, Join
 
-MODES = ("scale", "flip", "replay", "flood", "forge", "nan")
+MODES = ("scale", "flip", "replay", "flood", "forge", "nan", "drift")
 
 
 def corrupt(modes: set[str]) -> None:
@@ -49,6 +52,16 @@ def corrupt(modes: set[str]) -> None:
         return await honest(self, round_id, vector, step, take_part, pace)
 
     FragmentExchange.allreduce = allreduce  # type: ignore[method-assign]
+    if "drift" in modes:
+        evaluated = SwarmReplica.evaluated
+
+        async def drifted(self, step, state, record, started):  # type: ignore[no-untyped-def]
+            if step == self.cfg.steps:
+                with torch.no_grad():
+                    self.strategy.outer[0].global_params[0] += 1e-3
+            return await evaluated(self, step, state, record, started)
+
+        SwarmReplica.evaluated = drifted  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -245,6 +245,9 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
         if summary[tally]:
             named = ", ".join(f"{peer} ({count}×)" for peer, count in summary[tally].items())
             click.echo(f"warning: {what}: {named}", err=True)
+    if summary["theta_disputed"]:
+        named = ", ".join(f"{peer} (after step {step})" for peer, step in summary["theta_disputed"].items())
+        click.echo(f"warning: θ̄ differed between this peer and {named}", err=True)
     if summary["failure"] is not None:
         raise UserError(f"stopped after step {summary['steps']}: {summary['failure']}")
     if summary["theta_behind_step"] is not None:
@@ -253,10 +256,13 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
             "and the run ended before this peer could take theirs: its result is not the swarm's"
         )
     if summary["theta_unsettled_step"] is not None:
+        split = "; ".join(
+            f"{digest} on {', '.join(p[:12] if p else 'this peer' for p in peers)}"
+            for digest, peers in summary["theta_split"].items()
+        )
         raise UserError(
-            f"θ̄ after step {summary['theta_unsettled_step']} differs between this peer and "
-            f"{', '.join(summary['theta_disputed'])}, and no majority of the peers tells which one is the "
-            "swarm's: this run did not stay synchronised"
+            f"θ̄ after step {summary['theta_unsettled_step']} split with no majority of the peers to tell "
+            f"which one is the swarm's ({split}): this run did not stay synchronised"
         )
     failed, done = summary["rounds_failed"], summary["rounds_done"]
     skipped = f"; {failed} of {failed + done} syncs failed and were skipped on every peer" if failed else ""

@@ -169,6 +169,26 @@ class Presence:
                 who = ", ".join(p[:12] for p in new)
                 log.warning("θ̄ after step %d differs here and on %s (%s)", verdict.step, who, outcome)
 
+    async def agree_at(self, step: int, within_s: float) -> list[str]:
+        """At the end of a run: wait until every other training peer of the run on the board has
+        published its θ̄ digest of ``step`` (the last one) or left the board, comparing as they come,
+        so that every peer's verdict rests on every peer's last θ̄, never on a board read before the
+        slowest peer got there. Returns the peers whose digest did not come within ``within_s``."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                await self.refresh()  # ours published (its digest of ``step``), theirs read and compared
+            except ConnectionError as exc:
+                log.info("board unreachable while comparing the last θ̄ (%s); trying again", exc)
+            missing = sorted(
+                p
+                for p, r in self.view.items()
+                if p != self.peer_id and self.same_run(r) and r.state == "training" and r.theta_step < step
+            )
+            if not missing or time.monotonic() > deadline:
+                return missing
+            await asyncio.sleep(min(self.heartbeat_s, 0.5))
+
     def check_split(self) -> None:
         """``Rejoin`` when a majority of the peers holds another θ̄ than this peer's."""
         if self.split_from is not None:

@@ -462,6 +462,17 @@ class SwarmReplica:
             elif not task.cancelled() and task.exception() is not None:
                 log.info("a final sync failed: %s", task.exception())
         self.pending.clear()
+        if not stopping and self.step == self.cfg.steps:  # the last θ̄ compared with every peer's
+            assert self.presence is not None
+            missing = await self.presence.agree_at(self.step, self.round_timeout_s)
+            if missing:
+                log.warning(
+                    "θ̄ after the last step %d could not be compared with %s: no digest of it came within "
+                    "%.0f s (--round-timeout)",
+                    self.step,
+                    ", ".join(p[:12] for p in missing),
+                    self.round_timeout_s,
+                )
 
     def unfinished(self, failure: str | None) -> str | None:
         """Why this peer's θ̄ is not a finished run's (its --save goes to a partial folder), if it is not."""
@@ -501,6 +512,9 @@ class SwarmReplica:
             "accused": dict(self.exchange.accused.most_common(16)),
             "theta_disputed": dict(presence.disputed),
             "theta_unsettled_step": presence.unsettled.step if presence.unsettled is not None else None,
+            "theta_split": {d: list(peers) for d, peers in presence.unsettled.holders}
+            if presence.unsettled is not None
+            else None,
             "theta_behind_step": presence.split_from.step if presence.split_from is not None else None,
             "failure": failure,
         }

@@ -34,6 +34,7 @@ class Verdict:
     disputed: tuple[str, ...]  # peers whose θ̄ at ``step`` differs from ours
     behind: bool  # a strict majority of the peers reporting ``step`` hold another θ̄: ours is split off
     settled: bool  # a strict majority holds one θ̄ (ours or another): the split side is known
+    holders: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (digest, its holders) by digest; "" is us
 
 
 class Agreement:
@@ -75,5 +76,9 @@ class Agreement:
             votes[mine] += 1
             top, count = votes.most_common(1)[0]
             settled = 2 * count > sum(votes.values())
-            verdicts.append(Verdict(step, disputed, behind=settled and top != mine, settled=settled))
+            held: dict[str, list[str]] = {mine: [""]}  # "": this peer
+            for peer, digest in sorted(digests.items()):
+                held.setdefault(digest, []).append(peer)
+            holders = tuple(sorted((d, tuple(peers)) for d, peers in held.items()))
+            verdicts.append(Verdict(step, disputed, settled and top != mine, settled, holders))
         return verdicts
