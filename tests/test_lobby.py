@@ -365,8 +365,9 @@ def boards(draw: st.DrawFn) -> tuple[dict[str, R], int, list[str]]:
     given_shards = draw(st.permutations(range(workers)))
     resumes = draw(st.one_of(st.none(), st.lists(st.integers(0, 50), min_size=workers, max_size=workers)))
     view: dict[str, R] = {}
-    noises = ["done", "stranger"] if workers > 1 else ["done"]  # a lone peer among strangers is odd
-    for i, noise in enumerate(draw(st.lists(st.sampled_from(noises), max_size=3))):
+    # a lone peer among strangers is odd, and one among done peers of its run comes after the run ended
+    noises = ["done", "stranger"] if workers > 1 else []
+    for i, noise in enumerate(draw(st.lists(st.sampled_from(noises), max_size=3)) if noises else []):
         shard = draw(st.one_of(st.none(), st.integers(0, 3)))  # a finished peer's shard is free again
         view[f"z{i}"] = R(state="done", shard=shard) if noise == "done" else R(fingerprint="x", shard=shard)
     for i, peer in enumerate(ids):
@@ -402,3 +403,36 @@ def test_every_peer_starts_with_its_own_shard(board: tuple[dict[str, R], int, li
     assert len({d.resume_step for d in starts}) == 1 and len({d.live for d in starts}) == 1
     steps = [view[p].resume_step for p in peers]
     assert starts[0].resume_step == (min(steps) if min(steps) >= 0 else None)
+
+
+# ---- a run that ended before this peer came ----
+
+
+def test_a_finished_run_says_so_and_keeps_its_id_as_long_as_a_done_record_lives() -> None:
+    from p2p_cocodc.swarm.records import MAX_LIFETIME_S
+
+    done = {"aaa": R(state="done", step=100, shard=0), "ccc": R(state="done", step=100, shard=1)}
+    with pytest.raises(UserError, match=r"^run 'r' finished at step 100: choose a new --run-id") as caught:
+        decide({**done, ME: W})
+    assert f"stays taken for {MAX_LIFETIME_S / 60:.0f} minutes" in str(caught.value)
+
+
+def test_a_run_whose_peers_left_early_says_how_to_go_on() -> None:
+    left = {"aaa": R(state="done", step=40), "ccc": R(state="done", step=38)}
+    with pytest.raises(UserError, match=r"ended at step 40 of --steps 100 \(its peers left\): to go on"):
+        decide({**left, ME: W})
+    # the peers themselves, started again with --resume, go on
+    assert isinstance(decide({**left, ME: R(resume_step=40)}, seat(resume_step=40)), Wait)
+
+
+@pytest.mark.parametrize(
+    "board",
+    [
+        {"aaa": R(state="done", step=100), "ccc": t(90)},  # one finished early, another trains
+        {"aaa": R(state="done", step=100), "ccc": R(state="leaving", step=90)},  # one still leaving
+        {"aaa": R(state="done", step=100, fingerprint="x"), "ccc": W},  # a stranger's done record
+        {ME: R(state="done", step=100)},  # this identity's own record from an earlier run
+    ],
+)
+def test_a_run_with_a_peer_still_in_it_or_only_a_stranger_done_is_not_ended(board: dict[str, R]) -> None:
+    assert isinstance(decide({**board, ME: board.get(ME, W)}), Wait | Start | Join)

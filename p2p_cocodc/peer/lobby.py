@@ -25,6 +25,9 @@ fetches; this module only decides (like torchft's lighthouse ``quorum_compute``)
   shard another peer of the run reads (a finished one reads none) is an error. When any of them
   resumes, all must, and the swarm goes on from the newest step all of them hold: the smallest.
 * **Started.** Step 1 begins only once --workers peers of the run show "training".
+* **Ended.** When every other peer of the run on the board is done (a done record stays for the
+  longest lifetime a record has, 2 minutes), the run ended before this peer came: it stops with one
+  line (finished: a new --run-id; stopped early: --resume), unless it resumes the run itself.
 * **Donors.** A peer taking the swarm's state asks up to ``DONORS`` training peers of the run (not
   itself, none distrusted), highest step first, then by id. None, and one of the run is done: the run
   finished without it. A state at or past --steps leaves nothing to train.
@@ -141,6 +144,7 @@ def admit(view: View, seat: Seat, first_steps: Mapping[str, int]) -> tuple[Admis
     odd = odd_one_out(view, seat)
     if odd is not None:
         return Mismatch(odd), first
+    check_not_ended(same, seat)
     # our own record may be a stale one of this identity's previous process: not a peer
     training = {p: r for p, r in same.items() if r.state == "training" and p != seat.peer_id}
     moving = {p for p, r in training.items() if r.step > first.setdefault(p, r.step)}
@@ -166,6 +170,26 @@ def admit(view: View, seat: Seat, first_steps: Mapping[str, int]) -> tuple[Admis
             resume = resume_from(live, same, seat)
         return Start(shard, resume, tuple(live)), first
     return Wait(f"only {len(live)} of --workers {seat.workers} peers joined", tuple(live)), first
+
+
+def check_not_ended(same: View, seat: Seat) -> None:
+    """UserError when every other peer of the run on the board is done and none takes part any more:
+    the run ended before this peer came (a done record stays on the board for the longest lifetime a
+    record has, ``swarm/records.py`` ``MAX_LIFETIME_S``: that long, the run's id stays taken). A peer
+    resuming the run is let through: a swarm stopped early goes on with --resume."""
+    others = [r for p, r in same.items() if p != seat.peer_id]
+    if seat.resume_step is not None or not others or any(r.state != "done" for r in others):
+        return
+    step = max(r.step for r in others)
+    if step >= seat.steps:
+        raise UserError(
+            f"run {seat.run_id!r} finished at step {step}: choose a new --run-id (a finished run's id "
+            "stays taken for 2 minutes)"
+        )
+    raise UserError(
+        f"run {seat.run_id!r} ended at step {step} of --steps {seat.steps} (its peers left): to go on, "
+        "start them again with --resume and their --checkpoint-dir; or choose a new --run-id"
+    )
 
 
 def odd_one_out(view: View, seat: Seat) -> str | None:

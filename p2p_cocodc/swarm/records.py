@@ -195,7 +195,9 @@ class Board:
     async def _publish(self, record: PeerRecord, run_info: dict[str, Any] | None) -> float:
         from hivemind.utils import get_dht_time
 
-        lifetime = self.lifetime_s
+        # a peer that is done lives on the board as long as a record may: the run's id stays taken
+        # that long after its last peer ended (a late peer is told the run ended, ``peer/lobby.py``)
+        lifetime = MAX_LIFETIME_S if record.state == "done" else self.lifetime_s
         record = replace(record, ttl_s=lifetime)
         # hivemind keeps a subkey's value with the latest expiration: a record must never expire
         # before the one it replaces, or the store is rejected (when the lifetime shrinks)
