@@ -386,3 +386,36 @@ def test_a_damaged_folder_is_refused_with_what_is_wrong(
     with pytest.raises(UserError, match=message) as refused:
         load_saved(str(folder))
     assert "\n" not in str(refused.value) and str(folder) in str(refused.value)
+
+
+# ---- a --save that fails after training ----
+
+
+def test_a_save_that_fails_after_training_keeps_the_model_beside_out_and_the_summary(tmp_path: Path) -> None:
+    """--save's parent became a file while the run trained: θ̄ goes to a fallback folder beside --out,
+    loads with the run's hash, and the summary (written to --out) says where and why; the command
+    then exits 2 naming both."""
+    from p2p_cocodc.cli.main import check_saved
+    from p2p_cocodc.config.train import build_config
+    from p2p_cocodc.run.records import RunLog
+    from p2p_cocodc.run.simulator import Simulation
+
+    options = dict(zip(RUN[::2], RUN[1::2], strict=True))
+    cfg = build_config({}, {k[2:].replace("-", "_"): v for k, v in options.items()})
+    out = tmp_path / "runs" / "sim.jsonl"
+    cfg = replace(cfg, save=str(tmp_path / "taken" / "model"), out=str(out))
+    (tmp_path / "taken").write_text("a file where --save's folder should go\n")
+    log = RunLog(str(out))
+    try:
+        summary = Simulation(cfg).run(log)
+    finally:
+        log.close()
+    fallback = out.parent / "p2p-cocodc-cocodc-step-16"
+    assert summary["saved"] == str(fallback)
+    assert summary["save_failed"].startswith(f"--save {tmp_path / 'taken' / 'model'}: cannot write it")
+    assert records(out)[-1] == json.loads(json.dumps(summary))  # the summary is written, to the end
+    model, _, info = load_saved(str(fallback))
+    assert params_sha256(model.state_dict()) == summary["global_params_sha256"]
+    assert info["global_params_sha256"] == summary["global_params_sha256"]
+    with pytest.raises(UserError, match=f"; θ̄ saved to {re.escape(str(fallback))} instead$"):
+        check_saved(summary)

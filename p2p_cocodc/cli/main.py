@@ -183,6 +183,14 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
         f"{summary['bytes_sent'] / 1e6:.2f} MB sent per worker, stalled {summary['stall_s']:.1f} s "
         f"of {summary['sim_time_s']:.1f} s simulated; θ̄ sha256 {summary['global_params_sha256'][:16]}"
     )
+    check_saved(summary)
+
+
+def check_saved(summary: dict[str, Any]) -> None:
+    """A run whose --save could not be written is no success, though θ̄ went to a fallback folder."""
+    if summary["save_failed"] is not None:
+        where = f"θ̄ saved to {summary['saved']} instead" if summary["saved"] else "θ̄ is in no folder"
+        raise UserError(f"{summary['save_failed']}; {where}")
 
 
 @cli.command()
@@ -273,12 +281,14 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
             f"{summary['final_val_ppl']:.3f} there, {summary['bytes_sent'] / 1e6:.2f} MB sent{skipped}; "
             f"θ̄ sha256 {summary['global_params_sha256'][:16]}{saved}"
         )
+        check_saved(summary)
         return
     click.echo(  # only a run that stayed with the swarm to its end gets this line
         f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "
         f"{summary['bytes_sent'] / 1e6:.2f} MB sent, stalled {summary['stall_s']:.1f} s of "
         f"{summary['wall_time_s']:.1f} s{skipped}; θ̄ sha256 {summary['global_params_sha256'][:16]}"
     )
+    check_saved(summary)
 
 
 def preflight(cfg: Any, opts: Any) -> int:

@@ -263,7 +263,7 @@ class ReplicaLoop:
         its partial folder)."""
         driver, cfg = self.driver, self.setup.cfg
         state = driver.global_state()
-        saved = None
+        saved = None  # what save_run wrote (--save, or a fallback folder when --save failed)
         if cfg.save is not None:
             saved = save_run(self.setup, state, last["step"], first, last, driver.unfinished(failure))
         fields = driver.summary_fields(failure)

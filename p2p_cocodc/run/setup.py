@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,17 @@ from p2p_cocodc.algorithms.codecs import Codec, get_codec
 from p2p_cocodc.algorithms.devices import Placement
 from p2p_cocodc.algorithms.fragments import make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer, evaluate
-from p2p_cocodc.algorithms.strategies import AlgoSettings, DataParallel, Strategy, make_strategy
+from p2p_cocodc.algorithms.strategies import AlgoSettings, ReplicaStrategy, make_strategy
 from p2p_cocodc.config.derived import Link
 from p2p_cocodc.config.train import AUTO, TrainConfig
+from p2p_cocodc.errors import UserError
 from p2p_cocodc.models.build import build_model, count_parameters
 from p2p_cocodc.models.data import Shard, load_corpus, load_tokenizer, tokenize_corpus, validation_batches
 from p2p_cocodc.models.hf import hf_tokenizer, is_hf_model
 from p2p_cocodc.models.saved import save_model
 from p2p_cocodc.run.records import params_sha256, perplexity
+
+log = logging.getLogger(__name__)
 
 
 class TrainingSetup:
@@ -65,7 +69,7 @@ class TrainingSetup:
         """Worker ``index`` of ``count`` reads this disjoint, deterministic part of the train split."""
         return Shard(self.tokens.train, self.cfg.seq_len, self.cfg.batch_size, index, count, self.cfg.seed)
 
-    def replica(self, settings: AlgoSettings) -> tuple[InnerTrainer, Strategy | DataParallel]:
+    def replica(self, settings: AlgoSettings) -> tuple[InnerTrainer, ReplicaStrategy]:
         """A fresh copy of the initial model on the replica's device, with its inner optimizer and
         strategy."""
         trainer = self.trainer()
@@ -75,7 +79,7 @@ class TrainingSetup:
         """A fresh copy of the initial model on the replica's device, with its inner optimizer."""
         return InnerTrainer(copy.deepcopy(self.base).to(self.placement.device), self.inner, self.placement)
 
-    def strategy(self, model: nn.Module, settings: AlgoSettings) -> Strategy | DataParallel:
+    def strategy(self, model: nn.Module, settings: AlgoSettings) -> ReplicaStrategy:
         """The strategy of a replica ``model`` (θ̄ starts as the model's parameters)."""
         return make_strategy(model, settings, self.inner.decay_between, self.placement)
 
@@ -128,10 +132,10 @@ def summary_record(
     first: dict[str, Any],
     last: dict[str, Any],
     global_state: dict[str, torch.Tensor],
-    saved: str | None = None,
+    saved: Saved | None = None,
     **measured: Any,
 ) -> dict[str, Any]:
-    """The last record of every run, simulated or real (``saved``: the folder ``save_run`` wrote)."""
+    """The last record of every run, simulated or real (``saved``: what ``save_run`` wrote)."""
     cfg = setup.cfg
     digest = params_sha256(global_state)
     return {
@@ -146,9 +150,19 @@ def summary_record(
         "transmissions": settings.transmissions,
         "num_params": setup.num_params,
         "global_params_sha256": digest,
-        "saved": saved,  # the folder --save wrote, if any
+        "saved": saved.folder if saved else None,  # the folder θ̄ was written to, if any
+        "save_failed": saved.failed if saved else None,  # why --save itself could not be written
         "config": asdict(cfg),
     }
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Where θ̄ went: ``folder`` written (--save, its partial name, or a fallback folder when that
+    failed), and why --save itself could not be written (``failed``), if it could not."""
+
+    folder: str | None
+    failed: str | None = None
 
 
 def save_run(
@@ -158,10 +172,11 @@ def save_run(
     first: dict[str, Any],
     last: dict[str, Any],
     unfinished: str | None = None,
-) -> str | None:
+) -> Saved:
     """Write θ̄ after ``steps`` steps to --save (a run that did not finish: to its partial name)
-    with the run's facts, ``first`` and ``last`` being its first and last eval records; returns
-    the folder written."""
+    with the run's facts, ``first`` and ``last`` being its first and last eval records. A --save
+    that cannot be written (its disk filled, its parent became a file) never loses the model: θ̄ goes
+    to a fallback folder beside --out (or in the working directory), and ``Saved`` says both."""
     cfg = setup.cfg
     run = {
         "algo": cfg.algo,
@@ -176,7 +191,28 @@ def save_run(
         "data_sha256": setup.data_sha256(),
         "options": cfg.computing_options(),
     }
-    return save_model(cfg, setup.base, setup.tokenizer, global_state, run)
+    try:
+        return Saved(save_model(cfg, setup.base, setup.tokenizer, global_state, run))
+    except UserError as exc:
+        failed = str(exc)
+    fallback = fallback_folder(cfg, steps)
+    log.warning("%s; saving θ̄ to %s instead", failed, fallback)
+    try:
+        elsewhere = replace(cfg, save=fallback, force=False)
+        folder = save_model(elsewhere, setup.base, setup.tokenizer, global_state, run)
+    except UserError as exc:
+        return Saved(None, f"{failed}; the fallback failed too ({exc})")
+    return Saved(folder, failed)
+
+
+def fallback_folder(cfg: TrainConfig, steps: int) -> str:
+    """A new folder for θ̄ when --save fails: beside --out, else in the working directory."""
+    parent = Path(cfg.out).resolve().parent if cfg.out is not None else Path.cwd()
+    name = parent / f"p2p-cocodc-{cfg.algo}-step-{steps}"
+    folder, n = name, 1
+    while folder.exists():
+        folder, n = name.with_name(f"{name.name}.{n}"), n + 1
+    return str(folder)
 
 
 def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:
