@@ -282,6 +282,8 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
             f"θ̄ sha256 {summary['global_params_sha256'][:16]}{saved}"
         )
         check_saved(summary)
+        if summary["stopped_by"] is not None:  # by convention: 128 + the signal (130, 143)
+            sys.exit(128 + signal.Signals[summary["stopped_by"]])
         return
     click.echo(  # only a run that stayed with the swarm to its end gets this line
         f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "

@@ -29,7 +29,7 @@ from p2p_cocodc.algorithms.devices import resolve_device
 from p2p_cocodc.algorithms.strategies import AlgoSettings
 from p2p_cocodc.config.join import SwarmOptions
 from p2p_cocodc.config.train import TrainConfig
-from p2p_cocodc.errors import UserError
+from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.models.hf import model_identity
 from p2p_cocodc.ops.monitoring import PeerMetrics, PeerSample
 from p2p_cocodc.ops.progress import Phases, Progress
@@ -49,6 +49,10 @@ from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_
 from p2p_cocodc.swarm.trust import Membership, check_identity
 
 log = logging.getLogger(__name__)
+
+# a stopping peer says "leaving" on the board for this long at most: a signal to its whole process
+# group has stopped its DHT too, and the others see its record lapse anyway (docs/swarm.md)
+LEAVE_ANNOUNCE_S = 3.0
 
 
 class Lifecycle(enum.StrEnum):
@@ -197,7 +201,7 @@ class Peer:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, self._on_signal, sig, stop)
         self.records = self.replica.records = Records(log_file, listener=self._on_record)
         if self.opts.identity is not None:
             check_identity(self.opts.identity)
@@ -308,7 +312,7 @@ class Peer:
             summary = await loop.run(resumed=self.resume is not None)
         finally:
             if stop.is_set():  # the others must read "leaving" before anything else
-                await asyncio.wait({leave}, timeout=board.timeout)
+                await asyncio.wait({leave}, timeout=min(board.timeout, LEAVE_ANNOUNCE_S))
             leave.cancel()
         await self._become(Lifecycle.DONE)  # the summary is written; if this fails, others see us expire
         await self.exchange.stop()
@@ -458,11 +462,18 @@ class Peer:
             self._check_wait(stop, deadline, waiting.reason)
             await asyncio.sleep(0.2)
 
+    def _on_signal(self, sig: signal.Signals, stop: asyncio.Event) -> None:
+        """SIGINT or SIGTERM: the peer stops, and exits with 128 + the first signal's number."""
+        if self.replica.stopped_by is None:
+            self.replica.stopped_by = sig.name
+        stop.set()
+
     def _check_wait(self, stop: asyncio.Event, deadline: float, what: str) -> None:
         assert self.presence is not None
         self.presence.check()
         if stop.is_set():
-            raise UserError("interrupted while waiting for peers")
+            sig = signal.Signals[self.replica.stopped_by or "SIGINT"]
+            raise Stopped(f"stopped by {sig.name} while waiting for peers, before training", 128 + sig)
         if time.monotonic() > deadline:
             raise UserError(
                 f"{what} run {self.opts.run_id!r} within {self.opts.wait_peers_s:.0f} s "

@@ -106,6 +106,7 @@ class SwarmReplica:
         self.take_state: Callable[[], Awaitable[None]] | None = None
         self.on_step: Callable[[], None] = lambda: None
         self.peer_id = ""
+        self.stopped_by: str | None = None  # the signal that stopped the peer, if one did
 
     def attach(
         self,
@@ -517,4 +518,5 @@ class SwarmReplica:
             else None,
             "theta_behind_step": presence.split_from.step if presence.split_from is not None else None,
             "failure": failure,
+            "stopped_by": self.stopped_by,
         }

@@ -376,6 +376,9 @@ def p2pd_socket(dht: Any) -> str | None:
         return None
 
 
+DHT_TERMINATE_S = 1.0  # after hivemind's own shutdown and SIGTERM, how long before SIGKILL
+
+
 def stop_dht(dht: Any, socket_path: str | None) -> None:
     """Shut the DHT down, and remove p2pd's socket file.
 
@@ -386,6 +389,13 @@ def stop_dht(dht: Any, socket_path: str | None) -> None:
         dht.shutdown()
     except (OSError, EOFError) as exc:
         log.debug("DHT shutdown: %s", exc)
+    # hivemind then only sends SIGTERM; a DHT process that got the group's signal already may sit on
+    # (in epoll) through it, and the interpreter's exit would wait on it for ever: end it for good
+    dht.join(DHT_TERMINATE_S)
+    if dht.is_alive():
+        log.warning("the DHT process did not end on SIGTERM within %.0f s; killing it", DHT_TERMINATE_S)
+        dht.kill()
+        dht.join(DHT_TERMINATE_S)
     if socket_path and not dht.is_alive():
         with suppress(OSError):
             os.remove(socket_path)
