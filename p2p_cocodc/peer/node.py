@@ -189,11 +189,11 @@ class Peer:
         if self.state_server is not None and state in (Lifecycle.JOINING, Lifecycle.TRAINING):
             self.state_server.serving = state is Lifecycle.TRAINING  # a joiner's state is behind
 
-    async def _become(self, state: Lifecycle) -> None:
-        """``_move``, and say so on the board at once."""
+    async def _become(self, state: Lifecycle, last: bool = False) -> None:
+        """``_move``, and say so on the board at once (``last``: trying again for a while)."""
         self._move(state)
         if self.presence is not None:
-            await self.presence.announce(state.value)
+            await self.presence.announce(state.value, last=last)
 
     # ---- the run ----
 
@@ -314,7 +314,8 @@ class Peer:
             if stop.is_set():  # the others must read "leaving" before anything else
                 await asyncio.wait({leave}, timeout=min(board.timeout, LEAVE_ANNOUNCE_S))
             leave.cancel()
-        await self._become(Lifecycle.DONE)  # the summary is written; if this fails, others see us expire
+        # the summary is written; a run that ended says so for long (a signal stopped the DHT too)
+        await self._become(Lifecycle.DONE, last=self.replica.stopped_by is None)
         await self.exchange.stop()
         if self.state_server is not None:
             await self.state_server.stop()

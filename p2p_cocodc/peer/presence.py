@@ -31,6 +31,7 @@ from p2p_cocodc.swarm.records import Board, PeerRecord
 log = logging.getLogger(__name__)
 
 FIRST_PUBLISH_S = 15.0  # a new peer's DHT may need a few seconds to know another node
+LAST_PUBLISH_S = 10.0  # a peer that is done tries this long to say so before it shuts its DHT down
 
 
 class Presence:
@@ -112,14 +113,23 @@ class Presence:
             if task is not None and task.done() and not task.cancelled():
                 task.result()
 
-    async def announce(self, state: str) -> None:
+    async def announce(self, state: str, last: bool = False) -> None:
         """Publish a change of this peer's state at once. A store the DHT does not take (a miss
         under load, or a DHT that knows no other node yet) is not fatal here: the heartbeat
-        publishes the record again within a beat, and ends the peer if the DHT stays silent."""
-        try:
-            await self.refresh()
-        except ConnectionError as exc:
-            log.warning("could not announce %r on the board yet (%s); the heartbeat will", state, exc)
+        publishes the record again within a beat, and ends the peer if the DHT stays silent. The
+        ``last`` record (done: the heartbeat is about to stop) is tried again for up to
+        ``LAST_PUBLISH_S``: a late peer learns from it that the run ended."""
+        deadline = time.monotonic() + (LAST_PUBLISH_S if last else 0.0)
+        while True:
+            try:
+                await self.refresh()
+                return
+            except ConnectionError as exc:
+                if time.monotonic() >= deadline:
+                    log.warning("could not announce %r on the board (%s)%s", state, exc, "" if last else
+                                "; the heartbeat will")  # fmt: skip
+                    return
+            await asyncio.sleep(min(self.heartbeat_s, 1.0))
 
     async def refresh(self, publish: bool = True, read: bool = True) -> None:
         """Publish this peer's record and update the view of the others. A peer stays in the view
