@@ -97,7 +97,7 @@ def test_a_peer_and_the_bootstrap_serve_what_the_run_records(tmp_path: Path) -> 
     boot_port, partner_port = free_port(), free_port()
     boot = start_bootstrap(tmp_path, extra=["--metrics-port", str(boot_port), "--refresh", "0.2"])
     boot_url = f"http://127.0.0.1:{boot_port}/metrics"
-    run = ["--run-id", "metrics", *TWO_PEERS]
+    run = ["--run-id", "metrics", *TWO_PEERS, "--pace", "fixed"]  # a round every 4 steps, however loaded
     partner = spawn(
         [
             "join",
@@ -138,7 +138,8 @@ def test_a_peer_and_the_bootstrap_serve_what_the_run_records(tmp_path: Path) -> 
 
         metrics, server = serve_peer_metrics("127.0.0.1", 0)
         cfg = build_config({}, {**TINY, "out": str(tmp_path / "us-east.jsonl")})
-        peer = Peer(cfg, SwarmOptions(boot.host_port, run_id="metrics", region="us-east"), metrics=metrics)
+        opts = SwarmOptions(boot.host_port, run_id="metrics", region="us-east", pace="fixed")
+        peer = Peer(cfg, opts, metrics=metrics)
         log = RunLog(cfg.out)
         try:
             summary = uvloop.run(peer.run(log))

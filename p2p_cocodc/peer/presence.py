@@ -34,6 +34,37 @@ FIRST_PUBLISH_S = 15.0  # a new peer's DHT may need a few seconds to know anothe
 LAST_PUBLISH_S = 10.0  # a peer that is done tries this long to say so before it shuts its DHT down
 
 
+class Hearing:
+    """How long this peer has gone unheard (no publish reached another node) and blind (no read of
+    the board succeeded), counted in the time it ran: a process stopped for a while (SIGSTOP, a
+    suspended VM, swap) does not count its sleep, so on waking it takes the swarm's state again (the
+    lapse watch) instead of giving the DHT up; a DHT silent while the process runs is given up after
+    ``Board.give_up_s`` as before. Pure: the heartbeat hands it the times."""
+
+    def __init__(self, now: float, frozen_after_s: float) -> None:
+        self.frozen_after_s = frozen_after_s  # a beat this late means the process was stopped
+        self.last_beat = now
+        self.woke_at = now  # the start, or the latest wake from a stop
+        self.read_ok = now
+
+    def beat(self, now: float) -> bool:
+        """A heartbeat at ``now``: True if the process was stopped since the last one."""
+        frozen = now - self.last_beat > self.frozen_after_s
+        if frozen:
+            self.woke_at = now
+        self.last_beat = now
+        return frozen
+
+    def read(self, now: float) -> None:
+        self.read_ok = now
+
+    def silent_s(self, now: float, landed_at: float) -> float:
+        return now - max(landed_at, self.woke_at)
+
+    def blind_s(self, now: float) -> float:
+        return now - max(self.read_ok, self.woke_at)
+
+
 class Presence:
     """This peer on the board (``record()`` is what it publishes, ``run_info`` beside it) and the
     others as it sees them. ``on_records`` sees every fresh read of the board; ``on_lapse`` is
@@ -239,13 +270,15 @@ class Presence:
         board = self.board
         publishing: asyncio.Task[None] | None = None
         reading: asyncio.Task[None] | None = None
-        read_ok = time.monotonic()
+        hearing = Hearing(time.monotonic(), frozen_after_s=board.ttl_s - self.heartbeat_s)
         last_error = "none"
         summary_at = time.monotonic()
         lapsed_warned = False
         try:
             while True:
                 await asyncio.sleep(self.heartbeat_s)
+                if hearing.beat(time.monotonic()):
+                    log.warning("this process was stopped since its last beat: that silence is not the DHT's")
                 if not board.dht.is_alive():  # not congestion: nothing will answer again
                     raise UserError(
                         "lost the swarm's DHT: its process has died; this peer can no longer train with "
@@ -258,7 +291,7 @@ class Presence:
                         last_error = str(exc)
                         log.warning("notice board unreachable: %s", exc)
                     elif task is reading and task is not None and task.done():
-                        read_ok = time.monotonic()
+                        hearing.read(time.monotonic())
                 if publishing is not None and publishing.done():
                     publishing = None
                 if reading is not None and reading.done():
@@ -270,7 +303,7 @@ class Presence:
                 if reading is None:
                     reading = asyncio.create_task(self.refresh(publish=False))
                 now = time.monotonic()
-                silent, blind = now - board.landed_at, now - read_ok
+                silent, blind = hearing.silent_s(now, board.landed_at), hearing.blind_s(now)
                 if max(silent, blind) > board.give_up_s:
                     what = (
                         f"no publish reached another node for {silent:.0f} s"
