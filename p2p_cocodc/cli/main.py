@@ -244,6 +244,13 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
                 metrics = _peer_metrics(opts)
                 peer = Peer(cfg, opts, resume=find_resume_point(cfg), region=region, metrics=metrics)
                 summary = run_peer(peer, cfg, quiet)
+    report_peer(summary, cfg.steps)
+
+
+def report_peer(summary: dict[str, Any], steps: int) -> None:
+    """A peer's last words: warnings naming the peers it refused or screened out, then one line,
+    the success line only for a run that stayed with the swarm to its end; an error (exit 2) for a
+    run that failed to synchronise, 128 + the signal for one that left on SIGINT or SIGTERM."""
     culprits = (
         ("left out of the mean as outliers", "outliers"),
         ("refused", "refused"),
@@ -274,10 +281,10 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
         )
     failed, done = summary["rounds_failed"], summary["rounds_done"]
     skipped = f"; {failed} of {failed + done} syncs failed and were skipped on every peer" if failed else ""
-    if summary["steps"] < cfg.steps:  # it left on SIGINT or SIGTERM: a clean leave, not a finished run
+    if summary["steps"] < steps:  # it left on SIGINT or SIGTERM: a clean leave, not a finished run
         saved = f"; θ̄ saved to {summary['saved']}" if summary.get("saved") else ""
         click.echo(
-            f"left the swarm after step {summary['steps']} of {cfg.steps}: val ppl "
+            f"left the swarm after step {summary['steps']} of {steps}: val ppl "
             f"{summary['final_val_ppl']:.3f} there, {summary['bytes_sent'] / 1e6:.2f} MB sent{skipped}; "
             f"θ̄ sha256 {summary['global_params_sha256'][:16]}{saved}"
         )
