@@ -36,6 +36,7 @@ from p2p_cocodc.swarm.round_events import (
     Settle,
     Start,
     Tick,
+    Undecided,
     ViewChanged,
     run_job,
 )
@@ -69,10 +70,14 @@ class Plan:
     numel: int
     fetcher: str | None = None  # a peer that only wants the round's average (``take_part=False``)
     paces: dict[str, int] = field(default_factory=dict)  # the pace each peer asks for at Start
+    # (sender, receiver) -> (from, until, extra delay): a congested link (a thin uplink full of
+    # slices, a slow ACK) delivers what is sent on it in that window late, beyond ``answer_s``: the
+    # failure detector then takes a live peer for gone
+    congested: dict[tuple[str, str], tuple[float, float, float]] = field(default_factory=dict)
 
     @property
     def faults(self) -> bool:
-        return bool(self.crash_at) or self.drop > 0 or bool(self.leave_at)
+        return bool(self.crash_at) or self.drop > 0 or bool(self.leave_at) or bool(self.congested)
 
 
 def draw_plan(seed: int) -> Plan:
@@ -107,6 +112,7 @@ def draw_plan(seed: int) -> Plan:
         fetcher = extra.choice(ids)
         start_at[fetcher] = extra.uniform(0, 40)
     paces = {p: extra.choice([0, 6, 6, 13, 40]) for p in ids}
+    congested = draw_congestion(ids, random.Random(seed + 2_000_003))
     return Plan(
         ids=ids,
         start_at=start_at,
@@ -123,7 +129,23 @@ def draw_plan(seed: int) -> Plan:
         numel=rng.choice([5, 8, 130]),
         fetcher=fetcher,
         paces=paces,
+        congested=congested,
     )
+
+
+def draw_congestion(ids: list[str], rng: random.Random) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """In about a third of the schedules, one peer's uplink (every link out of it) or one link is
+    slow for a while: what is sent on it then arrives up to 1-5 times ``answer_s`` late."""
+    if rng.random() >= 0.35:
+        return {}
+    sender = rng.choice(ids)
+    receivers = [p for p in ids if p != sender]
+    if rng.random() < 0.5:
+        receivers = [rng.choice(receivers)]
+    start = rng.uniform(0, 30)
+    until = start + rng.uniform(2, 80)
+    extra = rng.uniform(1, 5) * DEADLINES.answer_s
+    return {(sender, to): (start, until, extra) for to in receivers}
 
 
 @dataclass
@@ -244,6 +266,9 @@ class World:
             delay = rng.uniform(*plan.delay)
             if rng.random() < plan.slow_share:
                 delay = min(delay + rng.uniform(0, 3), MAX_DELAY_S)
+            jam = plan.congested.get(link)
+            if jam is not None and jam[0] <= self.now < jam[1]:
+                delay += jam[2] * (jam[1] - self.now) / (jam[1] - jam[0])  # its queue drains by the end
             self.at(self.now + delay, ("deliver", effect.to, sender, effect.message))
 
     def run(self, seed: int, limit_s: float = 900.0) -> Verdict:
@@ -363,12 +388,16 @@ class World:
                 return f"the average is not the butterfly mean of its members {members}"
         live = set(self.live_peers())
         live_completed = [p for p in completed if p in live]
-        live_failed = [p for p, o in self.outcomes.items() if p in live and not isinstance(o, Completed)]
+        # an Undecided peer takes the swarm's state again: it may sit beside either outcome
+        live_failed = [p for p, o in self.outcomes.items() if p in live and isinstance(o, Failed | Lost)]
         if live_completed and live_failed:
             return f"live peers disagree: {live_completed} completed, {live_failed} did not"
         lost = [p for p, o in self.outcomes.items() if isinstance(o, Lost)]
         if lost:
             return f"{lost} lost the round (nothing is ever evicted in the model)"
+        undecided = [p for p, o in self.outcomes.items() if isinstance(o, Undecided)]
+        if undecided and not self.plan.congested:  # the failure detector is right: every peer can know
+            return f"{undecided} could not learn the outcome, on links that deliver in time"
         return None
 
     def check_end(self, limit_s: float) -> str | None:
@@ -380,7 +409,7 @@ class World:
         late = {p: t for p, t in self.settled_at.items() if p in live and t > bound}
         if late:
             return f"peers settled after the bound {bound:.0f} s: {late}"
-        if not self.plan.crash_at and not self.plan.drop:  # a leave is no fault: it finishes its rounds
+        if not (self.plan.crash_at or self.plan.drop or self.plan.congested):  # a leave is no fault
             full = tuple(sorted(p for p in self.plan.ids if p != self.plan.fetcher))
             for p in live:
                 o = self.outcomes[p]

@@ -71,6 +71,7 @@ from p2p_cocodc.swarm.round_events import (
     Settle,
     Start,
     Tick,
+    Undecided,
     ViewChanged,
     run_job,
 )
@@ -105,7 +106,8 @@ class RoundFailed(Exception):
 
 
 class RoundLost(RoundFailed):
-    """Other peers completed this round, and its average could not be had here: θ̄ is behind."""
+    """Other peers completed this round, or may have (``Undecided``), and its average could not be
+    had here: θ̄ is, or may be, behind the swarm's."""
 
 
 @dataclass
@@ -308,7 +310,7 @@ class FragmentExchange:
                 del self.groups[next(iter(self.groups))]
             return result.average
         self.stats.rounds_failed += 1
-        if isinstance(result, Lost):
+        if isinstance(result, Lost | Undecided):
             raise RoundLost(result.reason)
         assert isinstance(result, Failed)
         raise RoundFailed(result.reason)

@@ -30,12 +30,18 @@ Phases (``docs/swarm.md`` has the full tables):
   GONE or WAITING (itself recovering, or not at the round), every WAITING answer was given after the
   last other answer became final, and no peer is BUSY. Then it is FAILED, or LOST if a peer said it
   completed the round but no longer holds the average (this peer's θ̄ is then behind the swarm's).
+  Silence is final only for a peer off the board: one on the board that answers nothing may be
+  live behind a congested link and hold the average (a thin uplink queues its answers behind its
+  slices), so it stays asked; if it is still silent at ``Deadlines.undecided_by`` this peer settles
+  UNDECIDED and takes the swarm's state again instead of guessing. A leader, likewise, never forms
+  a group without a silent peer on the board (it may be in a group of the round already).
 - DONE: settled (completed, failed or lost); it still answers, and re-sends its RESULTs until they
   are acknowledged or the round's deadline has passed.
 
 Invariants (checked by the model after every event): at most one group completes a round; every
 peer that completes holds the same average, bit for bit; no live peer fails a round another live
-peer completed; with no faults every round completes before ``Deadlines.settle_by``.
+peer completed (an UNDECIDED one resyncs); every live peer settles by ``Deadlines.settle_by``, and
+with no faults every round completes; only a congested link leaves a peer UNDECIDED.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ from p2p_cocodc.swarm.round_events import (
     Send,
     Settle,
     Start,
+    Undecided,
     ViewChanged,
     leader_rank,
     short,
@@ -99,6 +106,7 @@ class Recovery:
     answers: dict[str, tuple[Status, int]] = field(default_factory=dict)  # peer -> (status, ask answered)
     last_final_ask: int = 0  # asks sent before the last answer became final; WAITING must be newer
     unanswered_since: dict[str, float] = field(default_factory=dict)  # peer -> oldest FETCH it owes
+    since: float = 0.0  # when this peer began to recover
 
 
 class RoundMachine:
@@ -517,6 +525,10 @@ class RoundMachine:
             self.leading_since = now
         self.joins[self.me] = self.shard
         missing = self.live(now) - set(self.joins)
+        # peers on the board that answer nothing may be live behind a congested link, in a group
+        # of the round we cannot hear of: they count as missing until they answer or leave the board
+        quiet = self._unreachable(self._silent(now)) - set(self.joins)
+        missing |= quiet
         if not missing and self._others_answered(missing, now, out):
             self._decide(now, out)
             return
@@ -535,6 +547,9 @@ class RoundMachine:
         if self._last_probes_answered(missing, now, out) & self._others_answered(missing, now, out):
             out.append(Note(f"round {self.round_id}: forms without {sorted(short(p) for p in missing)}"))
             self._decide(now, out)
+        elif quiet and now >= self.deadlines.join_patience(self.started_at, self.eta_s):
+            names = sorted(short(p) for p in quiet)
+            self._recover(now, out, f"{names} on the board answered nothing: the group cannot be decided")
 
     def _others_answered(self, missing: set[str], now: float, out: list[Effect]) -> bool:
         """Whether every present peer that will not join (recovering, leaving) has answered a probe
@@ -563,7 +578,9 @@ class RoundMachine:
         unanswered |= {
             h
             for h in hinted
-            if h is not None and h not in self._silent(now) and self.answered_probe.get(h, -1.0) < since
+            if h is not None
+            and h not in self._silent(now) - self._unreachable(self._silent(now))
+            and self.answered_probe.get(h, -1.0) < since
         }
         for peer in sorted(unanswered):
             if self._due(Code.PROBE, peer, now):
@@ -677,7 +694,7 @@ class RoundMachine:
             return
         self.phase = Phase.RECOVERING
         self.why_recovering = why
-        self.recovery = Recovery()
+        self.recovery = Recovery(since=now)
         out.append(Note(f"round {self.round_id}: {why}; asking the other peers for the average"))
 
     def _ask_for_average(self, now: float, out: list[Effect]) -> None:
@@ -688,7 +705,8 @@ class RoundMachine:
         left_board = self.seen_on_board - set(self.view)
         there = set(self.view) | recent | (members - left_board)  # silence alone is no reason here
         silent = {p for p, t in rec.unanswered_since.items() if now - t > self.deadlines.answer_s}
-        asked = there - silent - {self.me}
+        unreachable = self._unreachable(silent)
+        asked = there - (silent - unreachable) - {self.me}
         gone = (members | set(rec.answers) | set(rec.unanswered_since)) - asked - {self.me}
         for peer in sorted(gone):  # a peer that left, or never answered a FETCH, is final like a FAILED one
             if peer in rec.answers and rec.answers[peer][0] in (Status.FAILED, Status.GONE):
@@ -708,13 +726,27 @@ class RoundMachine:
                 rec.unanswered_since.setdefault(peer, now)
                 fetch = Fetch(self.round_id, rec.asks, self.members or (), self.pace, observer=self.observer)
                 self._send(out, peer, fetch, now)
-        if pending or "decode" in self.jobs_out:
+        if "decode" in self.jobs_out:
+            return
+        if pending:
+            if set(pending) <= unreachable and now >= self.deadlines.undecided_by(rec.since):
+                names = sorted(short(p) for p in pending)
+                why = f"{self.why_recovering}, and {names} on the board answered nothing"
+                why += ": it may hold the average"
+                self._settle(Undecided(why), now, out)
             return
         if not self._may_conclude(now):
             return
         lost = any(status == Status.GONE for status, _ in rec.answers.values())
         why = f"{self.why_recovering}, and no peer holds the round's average"
         self._settle(Lost(why + " any more") if lost else Failed(why), now, out)
+
+    def _unreachable(self, silent: set[str]) -> set[str]:
+        """Of the peers that answered no FETCH for ``answer_s``, those that may still hold the
+        average: the ones on the board. A live peer behind a congested link (a thin uplink full of
+        slices, a slow ACK) looks just as silent as a dead one; it stays asked, and this peer
+        undecided, until it answers or its record leaves the board. Model check: schedule 535."""
+        return silent & set(self.view)
 
     def _may_conclude(self, now: float) -> bool:
         """Whether this peer may settle without an average once nobody it asked can produce one. An
@@ -761,6 +793,9 @@ class RoundMachine:
             self._reply_status(
                 out, to, Status.GONE, "completed elsewhere; this peer has no average", now, ask
             )
+        elif isinstance(self.outcome, Undecided):  # it holds no average, and promises nothing either way
+            why = "could not learn the outcome; taking the swarm's state"
+            self._reply_status(out, to, Status.WAITING, why, now, ask)
         else:
             why = "gave the round up" if self.phase == Phase.IDLE else "recovering"
             self._reply_status(out, to, Status.WAITING, why, now, ask)

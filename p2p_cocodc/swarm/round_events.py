@@ -56,9 +56,15 @@ class Deadlines:
         """A round others opened here that this peer never reaches is forgotten after this."""
         return 2 * self.round_s + 2 * self.answer_s
 
+    def undecided_by(self, recovering_since: float) -> float:
+        """A recovering peer that still waits then for peers on the board that answer nothing (a
+        congested link, a slow ACK: any of them may hold the average) settles ``Undecided``."""
+        return recovering_since + self.round_s + 2.0 * self.answer_s
+
     def settle_by(self, started: float, eta_s: float, wire_bytes: int) -> float:
-        """With no faults, every peer has settled the round by then (the model check asserts it)."""
-        return self.allreduce_by(self.join_patience(started, eta_s), wire_bytes) + self.answer_s
+        """Every live peer has settled the round by then (the model check asserts it)."""
+        all_reduced = self.allreduce_by(self.join_patience(started, eta_s), wire_bytes)
+        return self.undecided_by(all_reduced) + self.answer_s
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,16 @@ class Lost:
     reason: str
 
 
-Outcome = Completed | Failed | Lost
+@dataclass(frozen=True)
+class Undecided:
+    """This peer could not learn whether the round completed: a peer on the board that may hold
+    its average answered nothing until ``Deadlines.undecided_by``. It takes the swarm's state
+    again rather than guess (a guess of "failed" splits θ̄ if that peer completed)."""
+
+    reason: str
+
+
+Outcome = Completed | Failed | Lost | Undecided
 
 
 @dataclass(frozen=True)
