@@ -10,6 +10,7 @@ swarm key) with one behaviour changed. Run it as ``python -m tests.hostile_peer 
 - ``nan``: every outer gradient it sends is NaN (a broken region: every round it is in fails);
 - ``drift``: right before its last evaluation, its θ̄ moves by 1e-3 in one value: a split no round
   sees, which only the peers' comparison of θ̄ digests can catch.
+- ``drift-early``: the same, right before its first evaluation after step 0 (mid-run).
 
 MODES is a comma-separated list. Everything else is the landed peer, unchanged.
 """
@@ -24,7 +25,7 @@ from p2p_cocodc.peer.syncs import SwarmReplica
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.messages import Group, Join
 
-MODES = ("scale", "flip", "replay", "flood", "forge", "nan", "drift")
+MODES = ("scale", "flip", "replay", "flood", "forge", "nan", "drift", "drift-early")
 
 
 def corrupt(modes: set[str]) -> None:
@@ -52,11 +53,11 @@ def corrupt(modes: set[str]) -> None:
         return await honest(self, round_id, vector, step, take_part, pace)
 
     FragmentExchange.allreduce = allreduce  # type: ignore[method-assign]
-    if "drift" in modes:
+    if modes & {"drift", "drift-early"}:
         evaluated = SwarmReplica.evaluated
 
         async def drifted(self, step, state, record, started):  # type: ignore[no-untyped-def]
-            if step == self.cfg.steps:
+            if step == (self.cfg.steps if "drift" in modes else self.cfg.eval_every):
                 with torch.no_grad():
                     self.strategy.outer[0].global_params[0] += 1e-3
             return await evaluated(self, step, state, record, started)

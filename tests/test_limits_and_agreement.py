@@ -3,7 +3,7 @@ and made-up boards."""
 
 from __future__ import annotations
 
-from p2p_cocodc.swarm.agreement import Agreement
+from p2p_cocodc.swarm.agreement import Agreement, Reported
 from p2p_cocodc.swarm.limits import MAX_TRACKED, Limits, PeerLimiter
 
 
@@ -50,24 +50,64 @@ def agreement(**digests: str) -> Agreement:
     return mine
 
 
+def at(step: int, digest: str, now: int | None = None, joined_at: int = 0, training: bool = True) -> Reported:
+    """A board record that holds ``digest`` for ``step`` and is at step ``now`` (``step`` if None)."""
+    return Reported(step if now is None else now, {step: digest}, joined_at, training)
+
+
 def test_peers_that_agree_raise_nothing_and_unknown_steps_are_not_compared() -> None:
     mine = agreement(s48="aa", s96="bb")
-    assert mine.compare({"p": (48, "aa"), "q": (96, "bb"), "r": (144, "zz"), "s": (12, "zz")}) == []
-    assert mine.latest() == (96, "bb")
+    assert mine.compare({"p": at(48, "aa"), "q": at(96, "bb"), "r": at(144, "zz"), "s": at(12, "zz")}) == []
+    assert mine.latest() == (96, "bb") and mine.earlier() == [[48, "aa"]]
 
 
 def test_a_peer_in_the_minority_is_behind_and_one_in_the_majority_names_the_split_one() -> None:
-    behind = agreement(s48="xx").compare({"p": (48, "aa"), "q": (48, "aa")})
+    behind = agreement(s48="xx").compare({"p": at(48, "aa"), "q": at(48, "aa")})
     assert len(behind) == 1 and behind[0].behind and behind[0].settled and behind[0].disputed == ("p", "q")
-    ahead = agreement(s48="aa").compare({"p": (48, "aa"), "q": (48, "xx")})
+    ahead = agreement(s48="aa").compare({"p": at(48, "aa"), "q": at(48, "xx")})
     assert ahead[0].settled and not ahead[0].behind and ahead[0].disputed == ("q",)
 
 
 def test_a_tie_settles_nothing() -> None:
-    (two,) = agreement(s48="aa").compare({"p": (48, "xx")})
-    assert not two.settled and not two.behind and two.disputed == ("p",)
-    (four,) = agreement(s48="aa").compare({"p": (48, "aa"), "q": (48, "xx"), "r": (48, "xx")})
-    assert not four.settled and four.disputed == ("q", "r")
+    (two,) = agreement(s48="aa").compare({"p": at(48, "xx")})
+    assert not two.settled and not two.behind and two.final and two.disputed == ("p",)
+    (four,) = agreement(s48="aa").compare({"p": at(48, "aa"), "q": at(48, "xx"), "r": at(48, "xx")})
+    assert not four.settled and four.final and four.disputed == ("q", "r")
+
+
+def test_a_vote_still_to_come_keeps_the_verdict_open_and_a_majority_of_all_voters_settles_it() -> None:
+    # p disagrees at 48; q has not reached 48 yet: no verdict is final, none is settled by 1 of 3
+    (open_,) = agreement(s48="aa").compare({"p": at(48, "xx"), "q": at(40, "aa")})
+    assert not open_.final and not open_.settled and not open_.behind
+    # q past 48 without a digest of it: it joined after 48 and does not vote (a final tie), or its
+    # digest of 48 slid out of its record (its vote is unknown: nothing is final)
+    (tie,) = agreement(s48="aa").compare({"p": at(48, "xx"), "q": at(56, "cc", joined_at=50)})
+    assert tie.final and not tie.settled
+    (slid,) = agreement(s48="aa").compare({"p": at(48, "xx"), "q": at(56, "cc")})
+    assert not slid.final and not slid.settled
+    # a peer that is done at step 40 will never vote at 48
+    (done,) = agreement(s48="aa").compare({"p": at(48, "xx"), "q": at(40, "aa", training=False)})
+    assert done.final and not done.settled
+    # two of four voters agree with p, one is pending: 2 of 4 is no strict majority yet; 3 of 4 is
+    four = {"p": at(48, "xx"), "q": at(48, "xx"), "r": at(47, "zz", now=47)}
+    (waiting,) = agreement(s48="aa").compare(four)
+    assert not waiting.settled and not waiting.final
+    (outvoted,) = agreement(s48="aa").compare({**four, "r": at(48, "xx")})
+    assert outvoted.settled and outvoted.behind and outvoted.final
+
+
+def test_every_peer_reaches_the_same_verdict_from_the_same_board() -> None:
+    # three peers, one split off: whichever order their digests reached the board in, the two that
+    # agree find themselves settled and the third behind, and each names the same split
+    digests = {"a": "aa", "b": "aa", "c": "cc"}
+    for me, mine in digests.items():
+        others = {p: at(48, d) for p, d in digests.items() if p != me}
+        (verdict,) = agreement(s48=mine).compare(others)
+        assert verdict.settled and verdict.final and verdict.behind == (me == "c")
+        assert dict(verdict.holders) == {
+            "aa": tuple(sorted(p if p != me else "" for p in "ab")),
+            "cc": ("" if me == "c" else "c",),
+        }
 
 
 def test_only_the_latest_digests_are_kept_and_forget_drops_them() -> None:
@@ -75,6 +115,17 @@ def test_only_the_latest_digests_are_kept_and_forget_drops_them() -> None:
     for step in range(100):
         mine.record(step, f"{step:016x}")
     assert len(mine.mine) == 16 and mine.latest() == (99, f"{99:016x}")
-    assert mine.compare({"p": (10, "zz")}) == []  # too old to compare
-    mine.forget()
-    assert mine.latest() == (-1, "")
+    assert mine.earlier() == [[step, f"{step:016x}"] for step in range(92, 99)]
+    assert mine.compare({"p": at(10, "zz")}) == []  # too old to compare
+    assert mine.compare({"p": at(98, "zz"), "q": at(98, "zz")})[0].behind
+
+
+def test_after_a_resync_the_old_digests_are_still_compared_but_never_make_it_resync_again() -> None:
+    mine = agreement(s8="xx", s16="xx")
+    assert mine.compare({"p": at(8, "aa"), "q": at(8, "aa")})[0].behind
+    mine.resynced()
+    (old,) = mine.compare({"p": at(8, "aa"), "q": at(8, "aa")})
+    assert old.disputed == ("p", "q") and old.settled and not old.behind  # named, not acted on
+    assert mine.latest() == (16, "xx")  # still published: the others see the split too
+    mine.record(16, "bb")  # evaluated again after taking the state: a digest of the θ̄ it holds now
+    assert mine.compare({"p": at(16, "aa"), "q": at(16, "aa")})[0].behind

@@ -309,6 +309,7 @@ valid_field = {
     ),
     "theta_step": st.integers(-1, 2**63),
     "theta_sha": st.text(max_size=16),
+    "theta_earlier": st.lists(st.tuples(st.integers(-1, 2**63), st.text(max_size=17)).map(list), max_size=8),
     "region": st.text(alphabet=sorted(REGION_CHARS), max_size=MAX_REGION) | st.text(max_size=MAX_REGION + 1),
     "tokens_per_s": st.floats(0, 1e9),
     "val_ppl": st.just(NONE_YET) | st.floats(0, 1e308) | st.floats(-2, 0),
@@ -350,6 +351,10 @@ def check_peer_record(record: PeerRecord | None) -> None:
     assert type(r.fingerprint) is str and len(r.fingerprint) <= 64
     assert type(r.key_id) is str and 0 < len(r.key_id) <= 16
     assert type(r.theta_sha) is str and len(r.theta_sha) <= 16
+    assert type(r.theta_earlier) is list and len(r.theta_earlier) <= 7
+    for pair in r.theta_earlier:
+        assert type(pair) is list and len(pair) == 2 and is_int(pair[0]) and pair[0] >= 0
+        assert type(pair[1]) is str and len(pair[1]) <= 16
     assert type(r.versions) is list and len(r.versions) <= MAX_FRAGMENTS
     assert all(is_int(v) and v >= 0 for v in r.versions)
     for tally in (r.refused, r.outliers):

@@ -19,6 +19,7 @@ from p2p_cocodc.config.bootstrap import BOOTSTRAP
 from p2p_cocodc.config.join import SWARM
 from p2p_cocodc.config.train import FIELDS, TRAINING, TrainConfig, build_config, load_toml
 from p2p_cocodc.errors import Stopped, UserError
+from p2p_cocodc.swarm.agreement import split_line
 
 if TYPE_CHECKING:  # imported where used: --help must not pay for hivemind and torch
     from p2p_cocodc.config.join import SwarmOptions
@@ -271,14 +272,7 @@ def report_peer(summary: dict[str, Any], steps: int) -> None:
             "and the run ended before this peer could take theirs: its result is not the swarm's"
         )
     if summary["theta_unsettled_step"] is not None:
-        split = "; ".join(
-            f"{digest} on {', '.join(p[:12] if p else 'this peer' for p in peers)}"
-            for digest, peers in summary["theta_split"].items()
-        )
-        raise UserError(
-            f"θ̄ after step {summary['theta_unsettled_step']} split with no majority of the peers to tell "
-            f"which one is the swarm's ({split}): this run did not stay synchronised"
-        )
+        raise UserError(split_line(summary["theta_unsettled_step"], summary["theta_split"]))
     failed, done = summary["rounds_failed"], summary["rounds_done"]
     skipped = f"; {failed} of {failed + done} syncs failed and were skipped on every peer" if failed else ""
     if summary["steps"] < steps:  # it left on SIGINT or SIGTERM: a clean leave, not a finished run
@@ -292,11 +286,16 @@ def report_peer(summary: dict[str, Any], steps: int) -> None:
         if summary["stopped_by"] is not None:  # by convention: 128 + the signal (130, 143)
             sys.exit(128 + signal.Signals[summary["stopped_by"]])
         return
-    click.echo(  # only a run that stayed with the swarm to its end gets this line
+    facts = (
         f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "
         f"{summary['bytes_sent'] / 1e6:.2f} MB sent, stalled {summary['stall_s']:.1f} s of "
         f"{summary['wall_time_s']:.1f} s{skipped}; θ̄ sha256 {summary['global_params_sha256'][:16]}"
     )
+    if summary["theta_disputed"]:
+        # it ends with the majority's θ̄, yet the swarm did not hold one θ̄ throughout: no success line
+        click.echo(f"finished with the majority's θ̄ after a split (see the warnings above): {facts}")
+    else:
+        click.echo(facts)  # only a run that stayed with the swarm, one θ̄ at every check, gets this line
     check_saved(summary)
 
 

@@ -354,6 +354,7 @@ class Peer:
             outliers=dict(ex.outliers.most_common(4)) if ex else {},
             theta_step=theta_step,
             theta_sha=theta_sha,
+            theta_earlier=presence.agreement.earlier() if presence is not None else [],
             region=self.name,
             tokens_per_s=replica.tokens_per_s(),
             val_ppl=replica.val_ppl,
@@ -489,7 +490,7 @@ class Peer:
         like every other peer."""
         presence, replica, stop = self.presence, self.replica, self.replica.stop
         assert presence is not None
-        presence.forget_theta()  # its θ̄ is about to be replaced by the swarm's
+        presence.resyncing()  # its θ̄ is about to be replaced by the swarm's
         replica.cancel_syncs()
         await self._become(Lifecycle.JOINING)  # the others stop counting on us at once
         self.progress.joining([])

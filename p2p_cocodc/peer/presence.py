@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.run.loop import Rejoin
-from p2p_cocodc.swarm.agreement import Agreement, Verdict
+from p2p_cocodc.run.loop import Rejoin, SyncsFailing
+from p2p_cocodc.swarm.agreement import Agreement, Reported, Verdict, split_line
 from p2p_cocodc.swarm.records import Board, PeerRecord
 
 log = logging.getLogger(__name__)
@@ -189,23 +189,33 @@ class Presence:
         """Compare our θ̄ digests with those on the board: name the peers that disagree, and take the
         swarm's state again when a strict majority holds another θ̄ (``swarm/agreement.py``)."""
         others = {
-            p: (r.theta_step, r.theta_sha)
+            p: Reported(
+                r.step,
+                {**dict(r.theta_earlier), r.theta_step: r.theta_sha},
+                r.joined_at,
+                r.state == "training",
+            )
             for p, r in self.view.items()
-            if p != self.peer_id and self.same_run(r) and r.theta_step >= 0 and r.state != "joining"
+            if p != self.peer_id and self.same_run(r) and r.state in ("training", "done", "leaving")
         }
         for verdict in self.agreement.compare(others):
             new = [p for p in verdict.disputed if self.disputed.get(p, -1) < verdict.step]
             for peer in verdict.disputed:
-                self.disputed[peer] = verdict.step
+                self.disputed[peer] = max(self.disputed.get(peer, -1), verdict.step)
             if verdict.behind:
                 self.split_from = verdict
                 outcome = "a majority holds another θ̄: this peer takes the swarm's state again"
+            elif verdict.before_resync:  # what it held then; it has taken the swarm's state since
+                outcome = "this peer has taken the swarm's state since"
             elif verdict.settled:
                 self.distrusted.update(verdict.disputed)  # split off from the majority: never a donor
                 outcome = "a majority holds this peer's θ̄"
-            else:
+            elif verdict.final:
                 outcome = "no majority: nobody can tell which θ̄ is the swarm's"
-            self.unsettled = None if verdict.settled else verdict
+            else:
+                outcome = "no majority yet: the vote of peers not at that step is still to come"
+            if verdict.final and not verdict.settled and not verdict.before_resync:
+                self.unsettled = verdict  # the run stops (``check_split``)
             if new:
                 who = ", ".join(p[:12] for p in new)
                 log.warning("θ̄ after step %d differs here and on %s (%s)", verdict.step, who, outcome)
@@ -231,7 +241,10 @@ class Presence:
             await asyncio.sleep(min(self.heartbeat_s, 0.5))
 
     def check_split(self) -> None:
-        """``Rejoin`` when a majority of the peers holds another θ̄ than this peer's."""
+        """``Rejoin`` when a majority of the peers holds another θ̄ than this peer's; ``SyncsFailing``
+        when every vote is in and no majority holds one θ̄ (nobody can tell which is the swarm's)."""
+        if self.unsettled is not None:
+            raise SyncsFailing(split_line(self.unsettled.step, dict(self.unsettled.holders)))
         if self.split_from is not None:
             verdict, self.split_from = self.split_from, None
             raise Rejoin(
@@ -239,9 +252,9 @@ class Presence:
                 f"peer's disagrees with {', '.join(p[:12] for p in verdict.disputed)})"
             )
 
-    def forget_theta(self) -> None:
-        """This peer is about to take the swarm's state: its digests and verdicts are of the past."""
-        self.agreement.forget()
+    def resyncing(self) -> None:
+        """This peer is about to take the swarm's state: its digests so far are history, its verdicts void."""
+        self.agreement.resynced()
         self.split_from = self.unsettled = None
 
     # ---- the tasks ----

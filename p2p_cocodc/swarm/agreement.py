@@ -3,15 +3,22 @@
 Every live peer holds the same θ̄ at the end of every inner step (``docs/swarm.md``). A bug, or a
 member that lies in a round (a leader that hands different member lists to different peers), can
 break that without any single message looking wrong. So each peer publishes, on the notice board,
-the sha256 of its θ̄ at its latest evaluation step (``--eval-every``), keeps its own digests of the
-last ``KEEP`` such steps, and compares them with the digests the others published (``compare``):
+the sha256 of its θ̄ at its latest ``PUBLISHED`` evaluation steps (``--eval-every``), keeps its own
+digests of the last ``KEEP`` such steps, and compares them with the digests the others published
+(``compare``). At a step S, the *voters* are this peer and every other training peer that reached S:
 
-- at a step S where the peers reporting S (this one included) disagree, the digest a strict majority
-  of them holds is the swarm's; a peer whose digest is not it is *behind*: it takes the swarm's state
-  again (``Peer._resync``), as a peer that missed a round does;
+- a peer on the board with no digest of S in its record that may vote at S (it joined the run by
+  S, and is still training or got that far) is *pending*: its vote may come, or may have slid out
+  of its record (a record holds ``PUBLISHED`` digests); one that joined after S, or stopped before
+  it, does not vote;
+- the verdict is *settled* once one digest is held by a strict majority of the voters, pending ones
+  counted as voters: no vote still to come can change it, so every peer that sees the same board
+  reaches the same verdict, however the votes arrive. A peer whose digest is not the majority's is
+  *behind*: it takes the swarm's state again (``Peer._resync``), as a peer that missed a round does;
+- with every vote in (*final*) and no strict majority (two peers, or a tie), nobody can tell which
+  side is right: every peer stops with an error naming the split;
 - peers whose digest differs from this one's are *disputed*: named in its log, board record and
-  summary; with no strict majority (two peers, or a tie) nobody can tell which side is right, and the
-  run ends with an error instead of a success line.
+  summary, and a peer that disputed anyone never ends with the success line.
 
 Pure bookkeeping: the peer computes the digests and reads the board.
 """
@@ -19,11 +26,27 @@ Pure bookkeeping: the peer computes the digests and reads the board.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 KEEP = 16  # own digests kept: peers a few evaluations apart still compare
+PUBLISHED = 8  # digests a board record carries (its latest and the ones before it)
 DIGEST_CHARS = 16  # hex characters of sha256 published (64 bits: collisions are not the threat)
+
+
+@dataclass(frozen=True)
+class Reported:
+    """What another peer's board record says: the step it is at, and its latest θ̄ digests."""
+
+    step: int
+    digests: Mapping[int, str]
+    joined_at: int = 0  # the step whose end it took the swarm's state at (0: it started the run)
+    training: bool = True  # False: done or leaving, so it reaches no later step
+
+    def may_vote(self, step: int) -> bool:
+        """Whether it held, or will hold, a θ̄ of ``step`` (its digest of it may have slid out of its
+        record, or not be in it yet): it joined by then, and it is training or got that far."""
+        return self.joined_at <= step and (self.training or self.step >= step)
 
 
 @dataclass(frozen=True)
@@ -32,9 +55,24 @@ class Verdict:
 
     step: int
     disputed: tuple[str, ...]  # peers whose θ̄ at ``step`` differs from ours
-    behind: bool  # a strict majority of the peers reporting ``step`` hold another θ̄: ours is split off
-    settled: bool  # a strict majority holds one θ̄ (ours or another): the split side is known
+    behind: bool  # a strict majority of the voters at ``step`` hold another θ̄: ours is split off
+    settled: bool  # a strict majority of the voters holds one θ̄ (ours or another): the split side is known
     holders: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (digest, its holders) by digest; "" is us
+    final: bool = True  # every voter's digest is in: an unsettled verdict is a split no vote can mend
+    before_resync: bool = False  # ours is of a θ̄ this peer held before it took the swarm's state since
+
+
+def split_line(step: int, holders: Mapping[str, Sequence[str]]) -> str:
+    """The one line a peer stops with when no majority holds one θ̄: the step, each digest and who
+    holds it ("" is this peer)."""
+    split = "; ".join(
+        f"{digest} on {', '.join(p[:12] if p else 'this peer' for p in peers)}"
+        for digest, peers in holders.items()
+    )
+    return (
+        f"θ̄ after step {step} split with no majority of the peers to tell which one is the swarm's "
+        f"({split}): this run did not stay synchronised"
+    )
 
 
 class Agreement:
@@ -42,10 +80,12 @@ class Agreement:
 
     def __init__(self) -> None:
         self.mine: OrderedDict[int, str] = OrderedDict()
+        self.history: set[int] = set()  # steps whose digest is of a θ̄ this peer held before a resync
 
     def record(self, step: int, digest: str) -> None:
         self.mine[step] = digest[:DIGEST_CHARS]
         self.mine.move_to_end(step)
+        self.history.discard(step)
         while len(self.mine) > KEEP:
             self.mine.popitem(last=False)
 
@@ -56,29 +96,37 @@ class Agreement:
         step = next(reversed(self.mine))
         return step, self.mine[step]
 
-    def forget(self) -> None:
-        """This peer took the swarm's state: its earlier digests were of a θ̄ it no longer holds."""
-        self.mine.clear()
+    def earlier(self) -> list[list[int | str]]:
+        """The ``PUBLISHED - 1`` digests before the latest, oldest first, as [step, digest] pairs."""
+        return [[step, digest] for step, digest in list(self.mine.items())[-PUBLISHED:-1]]
 
-    def compare(self, others: Mapping[str, tuple[int, str]]) -> list[Verdict]:
+    def resynced(self) -> None:
+        """This peer is taking the swarm's state. The digests it recorded so far stay, published and
+        compared: they are what it held, and the others must see the split too. But they are of a θ̄
+        it no longer holds, so no verdict on them makes it take the state again."""
+        self.history = set(self.mine)
+
+    def compare(self, others: Mapping[str, Reported]) -> list[Verdict]:
         """One verdict per step this peer holds a digest for where some peer published another."""
-        by_step: dict[int, dict[str, str]] = {}
-        for peer, (step, digest) in others.items():
-            if step in self.mine:
-                by_step.setdefault(step, {})[peer] = digest
         verdicts = []
-        for step, digests in sorted(by_step.items()):
-            mine = self.mine[step]
-            disputed = tuple(sorted(p for p, d in digests.items() if d != mine))
+        for step, mine in self.mine.items():
+            votes = {p: r.digests[step] for p, r in others.items() if step in r.digests}
+            disputed = tuple(sorted(p for p, d in votes.items() if d != mine))
             if not disputed:
                 continue
-            votes = Counter(digests.values())
-            votes[mine] += 1
-            top, count = votes.most_common(1)[0]
-            settled = 2 * count > sum(votes.values())
+            pending = sum(1 for r in others.values() if step not in r.digests and r.may_vote(step))
+            tally = Counter(votes.values())
+            tally[mine] += 1
+            top, count = tally.most_common(1)[0]
+            settled = 2 * count > 1 + len(votes) + pending
             held: dict[str, list[str]] = {mine: [""]}  # "": this peer
-            for peer, digest in sorted(digests.items()):
+            for peer, digest in sorted(votes.items()):
                 held.setdefault(digest, []).append(peer)
             holders = tuple(sorted((d, tuple(peers)) for d, peers in held.items()))
-            verdicts.append(Verdict(step, disputed, settled and top != mine, settled, holders))
+            old = step in self.history
+            verdicts.append(
+                Verdict(
+                    step, disputed, settled and top != mine and not old, settled, holders, pending == 0, old
+                )
+            )
         return verdicts

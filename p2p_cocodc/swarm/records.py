@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.swarm.agreement import DIGEST_CHARS, PUBLISHED
 from p2p_cocodc.swarm.dht import store_limit_s
 from p2p_cocodc.swarm.trust import OPEN
 
@@ -72,6 +73,7 @@ class PeerRecord:
     outliers: dict[str, int] = field(default_factory=dict)  # members whose slices it left out most
     theta_step: int = -1  # the step of its latest θ̄ digest (-1: none yet; swarm/agreement.py)
     theta_sha: str = ""  # the first 16 hex digits of sha256(θ̄) at that step
+    theta_earlier: list[list[Any]] = field(default_factory=list)  # [step, digest] of the ones before
     region: str = ""  # the name operators see (--region, else the peer id's start; "": none given)
     tokens_per_s: float = 0.0  # training throughput so far, waits for peers and evaluations left out
     val_ppl: float = NONE_YET  # the latest evaluation of θ̄
@@ -111,6 +113,7 @@ class PeerRecord:
             and v["theta_step"] >= -1
             and isinstance(v["theta_sha"], str)
             and len(v["theta_sha"]) <= 16
+            and _is_digests(v["theta_earlier"])
             and all(_is_int(x) and x >= 0 for x in v["versions"])
         )
         return cls(**v) if ok else None
@@ -123,6 +126,23 @@ def is_region(x: Any) -> bool:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_digests(x: Any) -> bool:
+    """At most ``PUBLISHED - 1`` [step, digest] pairs: a step ≥ 0 and up to 16 characters."""
+    return (
+        isinstance(x, list)
+        and len(x) < PUBLISHED
+        and all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and _is_int(pair[0])
+            and pair[0] >= 0
+            and isinstance(pair[1], str)
+            and len(pair[1]) <= DIGEST_CHARS
+            for pair in x
+        )
+    )
 
 
 MAX_TALLY = 8  # peers a record names in one of its tallies
