@@ -27,6 +27,7 @@ import pytest
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord
+from tests.swarm_procs import end_group, wait_for
 
 START_DEADLINE_S = 60.0
 
@@ -63,7 +64,16 @@ class Bootstrap:
         # after the bootstrap exits, in a session of its own, and make communicate() wait for it.
         with open(self.cwd / "out.txt", "wb") as out, open(self.cwd / "err.txt", "wb") as err:
             self.proc = subprocess.Popen(
-                bootstrap_cmd("--port", self.port, "--status-port", self.status_port, "--refresh", 0.2),
+                bootstrap_cmd(
+                    "--port",
+                    self.port,
+                    "--status-port",
+                    self.status_port,
+                    "--refresh",
+                    0.2,
+                    "--state-dir",
+                    self.cwd,
+                ),
                 cwd=self.cwd,
                 env=env(),
                 stdout=out,
@@ -219,7 +229,7 @@ def test_sigterm_exits_cleanly_and_a_restart_keeps_the_peer_id(boot: Bootstrap) 
     assert "Traceback" not in err
     assert_group_gone(boot.proc.pid)
 
-    after = boot.start()  # same cwd, so the same bootstrap.id
+    after = boot.start()  # same --state-dir, so the same bootstrap.id
     assert after["peer_id"] == before["peer_id"]
     assert after["maddrs"] == before["maddrs"]
     code, _, err = boot.terminate(group=True)
@@ -230,7 +240,12 @@ def test_sigterm_exits_cleanly_and_a_restart_keeps_the_peer_id(boot: Bootstrap) 
 
 def test_bad_port_is_one_line_error(tmp_path: Path) -> None:
     proc = subprocess.run(
-        bootstrap_cmd("--port", 70000), cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=60
+        bootstrap_cmd("--port", 70000, "--state-dir", tmp_path),
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
@@ -244,7 +259,7 @@ def test_status_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.Popen(
-            bootstrap_cmd("--port", free_port(), "--status-port", port),
+            bootstrap_cmd("--port", free_port(), "--status-port", port, "--state-dir", tmp_path),
             cwd=tmp_path,
             env=env(),
             stdout=subprocess.PIPE,
@@ -272,3 +287,69 @@ def test_an_identity_a_live_peer_uses_is_refused_with_one_line(tmp_path: Path) -
             start_dht([str(first.get_visible_maddrs()[0])], "127.0.0.1", 0, identity_path=identity)
     finally:
         stop_dht(first, first_socket)
+
+
+def test_the_bootstrap_keeps_its_files_in_its_state_folder_not_where_it_is_started(tmp_path: Path) -> None:
+    """Without --identity, --address-file or --state-dir, its key and address file go to
+    $XDG_STATE_HOME/p2p-cocodc (created, mode 700: it holds the private key), none to the working
+    directory; it says where, and prints its status page, not the page's JSON."""
+    here, state = tmp_path / "here", tmp_path / "xdg" / "p2p-cocodc"
+    here.mkdir()
+    status_port = free_port()
+    with open(tmp_path / "out.txt", "wb") as out:
+        proc = subprocess.Popen(
+            bootstrap_cmd("--port", free_port(), "--status-port", status_port),
+            cwd=here,
+            env={**env(), "XDG_STATE_HOME": str(tmp_path / "xdg")},
+            stdout=out,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+
+        def printed() -> str | None:
+            if proc.poll() is not None:
+                pytest.fail(f"bootstrap exited: {(tmp_path / 'out.txt').read_text()[-2000:]}")
+            text = (tmp_path / "out.txt").read_text()
+            return text if "peers join with any of" in text else None
+
+        text = wait_for(printed, START_DEADLINE_S, "the bootstrap's join lines")
+    finally:
+        end_group(proc)
+    assert list(here.iterdir()) == []
+    assert (state / "bootstrap.id").is_file() and (state / "bootstrap.json").is_file()
+    assert state.stat().st_mode & 0o777 == 0o700
+    assert f"(identity {state / 'bootstrap.id'})" in text
+    assert (
+        f"status page http://127.0.0.1:{status_port}/; addresses written to {state / 'bootstrap.json'}"
+        in text
+    )
+
+
+def test_state_dir_and_explicit_files_win_over_the_default_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from p2p_cocodc.config.bootstrap import bootstrap_options
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert bootstrap_options({}, {}, "x").identity_path == str(
+        tmp_path / "xdg" / "p2p-cocodc" / "bootstrap.id"
+    )
+    monkeypatch.setenv("XDG_STATE_HOME", "relative")  # ignored, as the XDG base directories say
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home_state = tmp_path / "home" / ".local" / "state" / "p2p-cocodc"
+    assert bootstrap_options({}, {}, "x").address_path == str(home_state / "bootstrap.json")
+
+    # --state-dir (here from the file), and --identity beside it
+    opts = bootstrap_options({"state-dir": str(tmp_path / "s")}, {"identity": str(tmp_path / "b.id")}, "x")
+    assert opts.validate().identity_path == str(tmp_path / "b.id")
+    assert opts.address_path == str(tmp_path / "s" / "bootstrap.json")
+    opts.make_state_dir()
+    assert (tmp_path / "s").is_dir() and not home_state.exists()
+
+    given = {"identity": str(tmp_path / "b.id"), "address_file": str(tmp_path / "b.json")}
+    explicit = bootstrap_options({}, {**given, "state_dir": str(tmp_path / "unused")}, "x").validate()
+    explicit.make_state_dir()
+    assert not (tmp_path / "unused").exists()
+    with pytest.raises(UserError, match="--state-dir /dev/null is a file, not a folder"):
+        bootstrap_options({}, {"state_dir": "/dev/null"}, "x").validate()

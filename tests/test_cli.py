@@ -506,10 +506,10 @@ def test_a_bad_address_is_one_line_before_anything_starts(
         capture_output=True,
         text=True,
         timeout=60,
-        env=env,
+        env={**env, "XDG_STATE_HOME": str(tmp_path / "state")},
     )
     assert_one_error_line(proc, message)
-    assert not (tmp_path / "bootstrap.id").exists()
+    assert not (tmp_path / "bootstrap.id").exists() and not (tmp_path / "state").exists()
 
 
 # ---- join's and bootstrap's own options: one schema, like the training options ----
@@ -540,6 +540,7 @@ GOOD = {
         "port": (31500, 31500),
         "announce": ("203.0.113.10", "203.0.113.10"),
         "address_file": ("boot.json", "boot.json"),
+        "state_dir": ("state", "state"),
         "status_host": ("0.0.0.0", "0.0.0.0"),
         "status_port": (31501, 31501),
         "refresh": (0.5, 0.5),
@@ -569,6 +570,7 @@ BAD = {
         "port": ("70000", "--port must be in [0, 65535]"),
         "announce": ("???", "--announce '???'"),
         "address_file": (".", "--address-file . is a directory"),
+        "state_dir": ("/dev/null", "--state-dir /dev/null is a file, not a folder"),
         "status_port": ("x", "--status-port must be int, got 'x'"),
         "refresh": ("0", "--refresh must be in [0.1, 3600]"),
         "metrics_port": ("31337", "--port and --metrics-port are both 31337"),

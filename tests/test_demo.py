@@ -102,3 +102,12 @@ def test_a_failing_process_ends_the_demo_with_one_error_line(tmp_path: Path) -> 
     assert errors[0].startswith("error: bootstrap exited with code 2") and "not a private key" in errors[0]
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "peer0.log").exists()
+
+
+def test_the_demo_points_at_the_status_page_not_its_json(tmp_path: Path) -> None:
+    """The address it prints is the page (``/``), not ``/status``, the JSON the page reads."""
+    (tmp_path / "bootstrap.id").write_bytes(b"not a key")  # it prints the address, then fails at once
+    done = run_cli(["demo", "--quiet", "--workdir", str(tmp_path), *SMALL], tmp_path, timeout=120)
+    pages = [m.group(1) for m in re.finditer(r"status page (http://\S+)", done.stderr)]
+    assert len(pages) == 1, done.stderr
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", pages[0]), pages

@@ -197,6 +197,8 @@ def test_a_metrics_port_in_use_is_one_line_before_anything_starts(tmp_path: Path
                 str(port),
                 "--address-file",
                 "bootstrap.json",
+                "--state-dir",
+                str(tmp_path),
             ],
             tmp_path,
             60,

@@ -27,14 +27,25 @@ from typing import Any
 
 import pytest
 
-from p2p_cocodc.ops.watch import MAX_POINTS, MAX_SERIES, POINT_FIELDS, History, Series, health
+from p2p_cocodc.ops.watch import MAX_POINTS, MAX_SERIES, POINT_FIELDS, Endings, History, Series, health
 from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord
-from tests.swarm_procs import CLI, ENV, end_group, free_port, run_cli, start_bootstrap, wait_for
+from tests.swarm_procs import (
+    CLI,
+    ENV,
+    end_group,
+    free_port,
+    records,
+    run_cli,
+    spawn,
+    start_bootstrap,
+    wait_for,
+)
+from tests.tiny_options import TWO_PEERS
 
 RUN = "watch"
 CHARTS = ("val_ppl", "tokens_per_s", "bytes_sent", "bytes_received", "stall_s")
-CHROMIUM_INSTALL = "apt-get install -y chromium (the line in .ci/run)"
+CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium (the line in .ci/run)"
 
 
 def record(**changes: Any) -> PeerRecord:
@@ -273,6 +284,40 @@ def test_status_rejects_bad_options(tmp_path: Path) -> None:
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
+def test_the_end_of_a_run_outlives_its_done_records_and_the_status_says_how_it_ended() -> None:
+    """The bootstrap keeps what it saw when every peer of a run was done: once the board forgets the
+    run (its done records live 2 minutes), ``status`` still says it finished and what its peers
+    said, instead of "no run on the board yet"; a new run under the same id replaces it."""
+    from rich.console import Console
+
+    from p2p_cocodc.ops.status_view import render
+
+    endings = Endings()
+    info = {"algo": "cocodc", "options": {"--steps": 24}}
+    done = {
+        "a": record(state="done", step=24, region="us-east", val_ppl=148.58, theta_sha="b52a47d1f9d178d1"),
+        "b": record(state="done", step=24, region="eu-west", val_ppl=148.58, theta_sha="b52a47d1f9d178d1"),
+    }
+    views = {p: {"region": r.region, "state": r.state, "step": r.step, "val_ppl": r.val_ppl,
+                 "theta_sha": r.theta_sha} for p, r in done.items()}  # fmt: skip
+    endings.read(RUN, {"a": record(state="done", step=24)}, info, {}, 100.0)
+    endings.read(RUN, {**done, "c": record(state="training")}, info, views, 101.0)
+    assert endings.to_json() == {}  # a peer still trains
+    endings.read(RUN, done, info, views, 102.0)
+    endings.read(RUN, {}, info, {}, 103.0)  # the records left the board
+    assert endings.to_json()[RUN]["step"] == 24 and endings.to_json()[RUN]["at"] == 102.0
+    status = {"runs": {}, "ended": endings.to_json(), "updated_at": 103.0, "error": None}
+    console = Console(width=400, no_color=True)
+    with console.capture() as shown:
+        console.print(render(status, None, plain=True))
+    text = shown.get()
+    assert f"run {RUN} finished at step 24 (seen at " in text
+    assert "): 2 peers done (eu-west, us-east); val ppl 148.58; θ̄ sha256 b52a47d1f9d178d1" in text
+    assert "no run on the board yet" not in text and set(status_rows(text)) == set(REGIONS)
+    endings.read(RUN, {"d": record(state="waiting")}, info, {}, 104.0)  # the id taken again
+    assert endings.to_json() == {}
+
+
 # ---- the page, in a real browser ----
 
 
@@ -365,3 +410,47 @@ def test_the_page_runs_only_its_own_script(watched: Watched) -> None:
         policy = reply.headers["Content-Security-Policy"]
         assert reply.headers["Content-Type"].startswith("text/html")
     assert "script-src 'self'" in policy and "default-src 'none'" in policy
+
+
+# ---- a real run's end (after the page's tests: the watched records must stay fresh for them) ----
+
+
+def test_status_after_a_real_run_says_it_finished(tmp_path: Path) -> None:
+    """Two real peers train to the end; ``status`` asked afterwards says the run finished, at which
+    step, and what the done peers' records say: the θ̄ each peer's summary names."""
+    boot = start_bootstrap(tmp_path, extra=["--refresh", "0.2"])
+    peers = []
+    try:
+        for region in REGIONS:
+            out = str(tmp_path / f"{region}.jsonl")
+            args = ["join", "--bootstrap", boot.host_port, "--run-id", "ended", "--region", region]
+            peers.append(spawn([*args, *TWO_PEERS, "--out", out], tmp_path, f"{region}.log"))
+        for region, peer in zip(REGIONS, peers, strict=True):
+            assert peer.wait(timeout=300) == 0, (tmp_path / f"{region}.log").read_text()[-3000:]
+
+        def said() -> str | None:
+            shown = run_cli(["status", "--bootstrap", boot.host_port, "--once"], tmp_path, 30).stdout
+            return shown if "run ended finished" in shown else None
+
+        text = wait_for(said, 60, "status to say the run finished")
+    finally:
+        for peer in peers:
+            end_group(peer)
+        end_group(boot.proc)
+    theta = {records(tmp_path / f"{r}.jsonl")[-1]["global_params_sha256"][:16] for r in REGIONS}
+    assert len(theta) == 1
+    line = next(line for line in text.splitlines() if line.startswith("run ended finished"))
+    assert line.startswith("run ended finished at step 24 (seen at "), line
+    assert "2 peers done (eu-west, us-east); val ppl " in line and line.endswith(f"θ̄ sha256 {theta.pop()}")
+    assert "no run on the board yet" not in text
+
+
+def test_the_readme_updates_the_package_lists_before_it_installs_chromium() -> None:
+    """On a fresh machine (a new container, a CI image) the package lists are empty or stale, and
+    `apt-get install chromium` alone fails: "Unable to locate package"."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    lines = [line for line in readme.splitlines() if "apt-get install" in line and "chromium" in line]
+    assert lines and all(
+        re.match(r"\s*apt-get update && apt-get install -y chromium\b", line) for line in lines
+    )
+    assert CHROMIUM_INSTALL.startswith("apt-get update && apt-get install -y chromium")

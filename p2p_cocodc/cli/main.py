@@ -54,7 +54,7 @@ def _swarm_from(config_path: str | None, options: dict[str, Any]) -> SwarmOption
     stem = Path(config_path).stem if config_path is not None else ""
     if "region" not in swarm_file and 0 < len(stem) <= 32 and set(stem) <= REGION_CHARS:
         swarm_file = {**swarm_file, "region": stem}  # peers/us-east.toml: us-east
-    return swarm_options(swarm_file, options)
+    return swarm_options(swarm_file, options, config_path)
 
 
 def check_output_paths(cfg: TrainConfig) -> None:
@@ -232,7 +232,7 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
 
     region = Region.from_env()  # under torchrun: this region's replica is trained by several processes
     if region is None or region.leads:  # the process that will listen: a taken --port now, not after set-up
-        check_listen_address(opts.host, opts.port)
+        check_listen_address(opts.host, opts.port, opts.port_taken())
     if region is None:
         metrics = _peer_metrics(opts)
         summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg), metrics=metrics), cfg, quiet)
@@ -370,8 +370,9 @@ def bootstrap(config_path: str | None, **options: Any) -> None:
 @option("--refresh", type=float, default=2.0, show_default=True, help="seconds between reads of /status")
 def status(bootstrap: str, run_id: str | None, once: bool, refresh: float) -> None:
     """A live table of a run's peers, from the bootstrap's notice board: region, state, step,
-    tokens/s, perplexity, fragment versions, last round, bytes in and out, stall and health. The
-    same, with charts, is the bootstrap's page http://HOST:PORT/."""
+    tokens/s, perplexity, fragment versions, last round, bytes in and out, stall and health; above
+    it, for a run whose peers are all done, how it ended (also after their records left the board).
+    The same, with charts, is the bootstrap's page http://HOST:PORT/."""
     from p2p_cocodc.ops.status_view import watch_status
 
     watch_status(bootstrap, run_id, once, refresh)

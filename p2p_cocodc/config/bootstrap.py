@@ -17,14 +17,24 @@ from p2p_cocodc.errors import UserError
 class BootstrapOptions:
     """The ``p2p-cocodc bootstrap`` options; ``status_host`` None means ``host``."""
 
-    identity: str = opt(
-        "bootstrap.id",
+    identity: str | None = opt(
+        None,
         "private key file, created on first run; keeps the peer id (and so the join address) stable",
+        metavar="FILE",
+        shown="STATE_DIR/bootstrap.id",
     )
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0: all)")
     port: int = opt(31337, "libp2p port; fixed so restarts keep the address")
     announce: str | None = opt(None, "public address peers dial", metavar="HOST", shown="--host")
-    address_file: str = opt("bootstrap.json", "write the join addresses here (JSON)")
+    address_file: str | None = opt(
+        None, "write the join addresses here (JSON)", metavar="FILE", shown="STATE_DIR/bootstrap.json"
+    )
+    state_dir: str | None = opt(
+        None,
+        "folder of the identity and address files not given otherwise (created if missing, mode 700)",
+        metavar="DIR",
+        shown="$XDG_STATE_HOME/p2p-cocodc, else ~/.local/state/p2p-cocodc",
+    )
     status_host: str | None = opt(None, "address of the HTTP server", metavar="HOST", shown="--host")
     status_port: int = opt(
         31338, "HTTP port serving /address (for join --bootstrap HOST:PORT), /status and /health"
@@ -48,6 +58,31 @@ class BootstrapOptions:
         "--status-host (docs/monitoring.md)",
     )
 
+    @property
+    def state(self) -> str:
+        """The state folder: --state-dir, else the user's (``default_state_dir``)."""
+        return self.state_dir or default_state_dir()
+
+    @property
+    def identity_path(self) -> str:
+        return self.identity or os.path.join(self.state, IDENTITY_FILE)
+
+    @property
+    def address_path(self) -> str:
+        return self.address_file or os.path.join(self.state, ADDRESS_FILE)
+
+    def uses_state_dir(self) -> bool:
+        return self.identity is None or self.address_file is None
+
+    def make_state_dir(self) -> None:
+        """Create the state folder (mode 700: it holds the private key) where a file goes there."""
+        if not self.uses_state_dir():
+            return
+        try:
+            os.makedirs(self.state, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--state-dir {self.state}: cannot create it ({exc.strerror or exc})") from None
+
     def validate(self) -> BootstrapOptions:
         """Reject bad values before anything starts, each with the flag to fix; return self."""
         from p2p_cocodc.swarm.dht import listen_maddrs
@@ -65,12 +100,26 @@ class BootstrapOptions:
         for flag, port in (("--port", self.port), ("--status-port", self.status_port)):
             if port and port == self.metrics_port:
                 raise UserError(f"{flag} and --metrics-port are both {port}: they must differ")
-        _check_writable_file("--identity", self.identity)
-        _check_writable_file("--address-file", self.address_file)
+        if self.uses_state_dir():  # created only once the ports are bound (``make_state_dir``)
+            _check_creatable_dir("--state-dir", self.state)
+        _check_writable_file("--identity", self.identity_path, self.identity is None)
+        _check_writable_file("--address-file", self.address_path, self.address_file is None)
         return self
 
 
 BOOTSTRAP = Schema(BootstrapOptions)
+IDENTITY_FILE = "bootstrap.id"
+ADDRESS_FILE = "bootstrap.json"
+APP = "p2p-cocodc"
+
+
+def default_state_dir() -> str:
+    """Where the bootstrap keeps its files unless told: $XDG_STATE_HOME/p2p-cocodc, else
+    ~/.local/state/p2p-cocodc (the XDG base directories: a relative $XDG_STATE_HOME is ignored)."""
+    base = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, APP)
 
 
 def bootstrap_options(
@@ -86,13 +135,30 @@ def bootstrap_options(
     return BootstrapOptions(**merged)
 
 
-def _check_writable_file(flag: str, path: str) -> None:
+def _check_writable_file(flag: str, path: str, in_state_dir: bool = False) -> None:
+    """``path`` can be read or created; ``in_state_dir``: its folder is the state folder, which
+    ``_check_creatable_dir`` checked and ``make_state_dir`` creates."""
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UserError(f"{flag} {path} is a directory; give a file name")
     if not os.path.isdir(parent):
+        if in_state_dir:
+            return
         raise UserError(f"{flag} {path}: the directory {parent} does not exist")
     if os.path.exists(path) and not os.access(path, os.R_OK):
         raise UserError(f"{flag} {path} exists but cannot be read")
     if not os.path.exists(path) and not os.access(parent, os.W_OK):
         raise UserError(f"{flag} {path} cannot be created: {parent} is not writable")
+
+
+def _check_creatable_dir(flag: str, path: str) -> None:
+    """``path`` is a folder, or the nearest folder above it that exists is one we may write in."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise UserError(f"{flag} {path} is a file, not a folder")
+        return
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path} cannot be created: {above} is not a writable folder")

@@ -5,6 +5,7 @@ line, the environment or a profile's [swarm] table."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from p2p_cocodc.config.schema import REQUIRED, Schema, opt
@@ -84,6 +85,9 @@ class SwarmOptions:
         None,
         "serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (docs/monitoring.md)",
     )
+    # not an option: the --config profile whose [swarm] table set --port (None: the command line, the
+    # environment or the default did): taken, that port most likely means this region's peer runs
+    port_profile: str | None = None
 
     def __post_init__(self) -> None:
         """Raise UserError naming the option to fix: a bad address now, not after the model is built."""
@@ -105,6 +109,20 @@ class SwarmOptions:
         if self.announce is not None:
             listen_maddrs(self.announce, self.port, "--announce")
 
+    def port_taken(self) -> str | None:
+        """The line for a taken --port that the profile set (None where it did not): the region's own
+        peer most likely holds it, and another --port would start a second peer of the region."""
+        if self.port_profile is None:
+            return None
+        unit = Path(self.port_profile).stem  # the unit reads /etc/p2p-cocodc/<its instance>.toml
+        status = self.bootstrap if not self.bootstrap.strip().startswith("/") else "HOST:PORT"
+        return (
+            f"--port {self.port} is in use on {self.host}: it is the port {self.port_profile} sets, so "
+            f"this region's peer ({self.region or unit}) is probably running already; check with "
+            f"`p2p-cocodc status --bootstrap {status} --run-id {self.run_id}` or its unit "
+            f"(`systemctl status p2p-cocodc-peer@{unit}`); for a second peer here, give it another --port"
+        )
+
     def check_shard(self, data_shards: int) -> None:
         if self.shard is not None and self.shard[1] != data_shards:
             raise UserError(
@@ -116,17 +134,20 @@ class SwarmOptions:
 SWARM = Schema(SwarmOptions)
 
 
-def swarm_options(file_values: dict[str, Any], cli_values: dict[str, Any]) -> SwarmOptions:
+def swarm_options(
+    file_values: dict[str, Any], cli_values: dict[str, Any], profile: str | None = None
+) -> SwarmOptions:
     """Defaults, then the profile's [swarm] table, then the command line (and the environment),
-    by key (``wait_peers``, as click names it); None on the command line: not given."""
-    merged = {
-        **SWARM.read_table(file_values, "[swarm] table"),
-        **SWARM.given({k: v for k, v in cli_values.items() if v is not None}),
-    }
+    by key (``wait_peers``, as click names it); None on the command line: not given. ``profile``:
+    the file the table is from, named where a port it sets is taken (``port_taken``)."""
+    from_file = SWARM.read_table(file_values, "[swarm] table")
+    merged = {**from_file, **SWARM.given({k: v for k, v in cli_values.items() if v is not None})}
     if "bootstrap" not in merged:
         raise UserError(
             "join needs --bootstrap (the bootstrap's HOST:PORT or multiaddr), or bootstrap in [swarm]"
         )
+    if profile is not None and merged.get("port") and from_file.get("port") == merged["port"]:
+        merged["port_profile"] = profile
     return SwarmOptions(**merged)
 
 

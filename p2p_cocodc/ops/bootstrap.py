@@ -31,7 +31,7 @@ from p2p_cocodc.config.bootstrap import BootstrapOptions
 from p2p_cocodc.errors import UserError, listen_failed
 from p2p_cocodc.ops.logs import configure_logging
 from p2p_cocodc.ops.monitoring import serve_bootstrap_metrics
-from p2p_cocodc.ops.watch import History, health, page_files
+from p2p_cocodc.ops.watch import Endings, History, health, page_files
 from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.dial_back import REACH_PATH, DialBack
 from p2p_cocodc.swarm.records import Board, PeerRecord, check_run_id
@@ -63,6 +63,7 @@ PEER_FIELDS = (
     "outliers",
     "theta_step",
     "theta_sha",
+    "theta_earlier",
     "region",
     "tokens_per_s",
     "val_ppl",
@@ -77,7 +78,7 @@ class Snapshot:
     def __init__(self, address: dict[str, Any]) -> None:
         self.started = time.monotonic()
         self.address = _dumps({"maddrs": address["maddrs"], "peer_id": address["peer_id"]})
-        self.status = _dumps({"runs": {}, "updated_at": None, "error": None})
+        self.status = _dumps({"runs": {}, "ended": {}, "updated_at": None, "error": None})
         self.history = _dumps(History().to_json())
         self.page = page_files()
         self.refreshed: float | None = None  # monotonic time of the last good read of the board
@@ -170,7 +171,10 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
             metrics, metrics_server = serve_bootstrap_metrics(status_host, opts.metrics_port)
             stack.callback(metrics_server.close)
             print(f"metrics {metrics_server.url}", flush=True)
-        dht = start_dht([], opts.host, opts.port, opts.announce, opts.identity, membership, protected=None)
+        opts.make_state_dir()
+        dht = start_dht(
+            [], opts.host, opts.port, opts.announce, opts.identity_path, membership, protected=None
+        )
         stack.callback(stop_dht, dht, p2pd_socket(dht))
         # Set only now: a Python handler installed before the fork would also run in the DHT process.
         signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -182,7 +186,7 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
             server.dial_back = dial_back = DialBack(dht)
             threading.Thread(target=server.serve_forever, name="status-http", daemon=True).start()
             stack.callback(server.shutdown)
-            write_address_file(opts.address_file, address)
+            write_address_file(opts.address_path, address)
             announce_join(address, opts, membership)
             import uvloop
 
@@ -256,8 +260,8 @@ def announce_join(address: dict[str, Any], opts: BootstrapOptions, membership: M
     elif opts.owner is not None:
         key = f" --owner {opts.owner} --identity ID_FILE --certificate CERT_FILE"
     lines = [
-        f"bootstrap peer id {address['peer_id']} (identity {opts.identity})",
-        f"status {address['status_url']}; addresses written to {opts.address_file}",
+        f"bootstrap peer id {address['peer_id']} (identity {opts.identity_path})",
+        f"status page http://{address['join']}/; addresses written to {opts.address_path}",
         "peers join with any of:",
         f"  p2p-cocodc join --bootstrap {address['join']}{key}",
         *(f"  p2p-cocodc join --bootstrap {m}{key}" for m in address["maddrs"]),
@@ -308,7 +312,7 @@ async def watch(
         loop.add_signal_handler(sig, task.cancel)
     dead_since: float | None = None
     failing = False
-    history = History()
+    history, endings = History(), Endings()
     try:
         while True:
             snapshot.dht_alive = dht.is_alive()
@@ -319,15 +323,17 @@ async def watch(
                 elif time.monotonic() - dead_since > DEAD_GRACE_S:
                     return 1
             else:
-                failing = await refresh(dht, peer_id, snapshot, history, failing)
+                failing = await refresh(dht, peer_id, snapshot, history, failing, endings)
             await asyncio.sleep(refresh_s)
     except asyncio.CancelledError:
         return 0
 
 
-async def refresh(dht: Any, peer_id: str, snapshot: Snapshot, history: History, failing: bool) -> bool:
-    """Read the board into the snapshot and the history; on a timeout keep the last ones. Returns
-    whether the read failed."""
+async def refresh(
+    dht: Any, peer_id: str, snapshot: Snapshot, history: History, failing: bool, endings: Endings
+) -> bool:
+    """Read the board into the snapshot, the history and the runs seen to end (``endings``); on a
+    timeout keep the last ones. Returns whether the read failed."""
     try:
         board = await read_board(dht, peer_id)
     except ConnectionError as exc:
@@ -352,7 +358,9 @@ async def refresh(dht: Any, peer_id: str, snapshot: Snapshot, history: History, 
         runs[run_id] = {"info": _jsonable(info), "peers": views}
         for p, record in records.items():
             history.add(run_id, p, record, now)
-    snapshot.status = _dumps({"runs": runs, "updated_at": time.time(), "error": None})
+        endings.read(run_id, records, runs[run_id]["info"], views, time.time())
+    status = {"runs": runs, "ended": endings.to_json(), "updated_at": time.time(), "error": None}
+    snapshot.status = _dumps(status)
     snapshot.history = _dumps(history.to_json())
     snapshot.refreshed = time.monotonic()
     return False

@@ -62,7 +62,7 @@ def run_demo(peers: int, training: dict[str, Any], workdir: str | None, quiet: b
             keygen(str(key), force=True)
             boot_args = _bootstrap_args(work, port, status_port) + ["--swarm-key-file", str(key)]
             boot = procs.spawn("bootstrap", boot_args, work / "bootstrap.log")
-            click.echo(f"bootstrap on {HOST}:{port}, status http://{HOST}:{status_port}/status", err=True)
+            click.echo(f"bootstrap on {HOST}:{port}, status page http://{HOST}:{status_port}/", err=True)
             _wait_for_address(boot, work / "bootstrap.json")
             join_args = _join_args(options, peers, status_port) + ["--swarm-key-file", str(key)]
             for i in range(peers):

@@ -50,7 +50,7 @@ def run_checks(cfg: TrainConfig, opts: SwarmOptions, say: Callable[[bool | None,
             return False
 
     check(lambda: check_files(cfg, opts))
-    listening = check(lambda: check_listen_address(opts.host, opts.port))
+    listening = check(lambda: check_listen_address(opts.host, opts.port, opts.port_taken()))
     found: dict[str, Any] = {}
     bootstrap_up = check(lambda: locate_bootstrap(opts.bootstrap, found))
     if not listening:

@@ -93,19 +93,26 @@ def render(
     failing: str | None = None,
     fit: Console | None = None,
 ) -> RenderableType:
-    """A table per run (``run_id``'s alone when given), then when the board was read; ``fit``: the
-    terminal whose width the tables must fit."""
+    """A table per run (``run_id``'s alone when given), each run that ended with a line saying how,
+    then when the board was read; ``fit``: the terminal whose width the tables must fit."""
     runs = status["runs"]
+    ended = status.get("ended") if isinstance(status.get("ended"), dict) else {}
     parts: list[RenderableType] = []
     if failing is not None:
         parts.append(Text(f"the bootstrap stopped answering at {failing}; showing its last answer", "red"))
-    for run in [run_id] if run_id is not None else sorted(runs):
-        if isinstance(runs.get(run), dict):
-            parts.append(run_table(run, runs[run], plain, fit))
+    for run in [run_id] if run_id is not None else sorted(runs.keys() | ended.keys()):
+        end = ended.get(run) if isinstance(ended.get(run), dict) else None
+        if end is not None:
+            parts.append(end_line(run, end))
+        board = runs.get(run) if isinstance(runs.get(run), dict) else None
+        if end is not None and (board is None or not board.get("peers")):  # its records left the board
+            board = {"info": end.get("info"), "peers": end.get("peers")}
+        if board is not None:
+            parts.append(run_table(run, board, plain, fit))
         else:
             live = ", ".join(sorted(map(str, runs))) or "none"
             parts.append(Text(f"run {run}: no peer of it is on the board (runs there: {live})"))
-    if not runs and run_id is None:
+    if not runs and not ended and run_id is None:
         parts.append(Text("no run on the board yet"))
     updated = status.get("updated_at")
     read = time.strftime("%H:%M:%S", time.localtime(updated)) if isinstance(updated, int | float) else "never"
@@ -114,6 +121,47 @@ def render(
         note += f"; the bootstrap cannot read it now: {status['error']}"
     parts.append(Text(note, "dim" if not status.get("error") else "red"))
     return Group(*parts)
+
+
+def end_line(run_id: str, end: dict[str, Any]) -> Text:
+    """How a run ended, from what the bootstrap saw (``ops/watch.py`` ``Endings``): the step, whether
+    that was its --steps, and what its peers' last records say (perplexity, θ̄ digest)."""
+    step, steps, at = end.get("step"), end.get("steps"), end.get("at")
+    peers = end.get("peers") if isinstance(end.get("peers"), dict) else {}
+    views = {_name(p, v): v for p, v in peers.items() if isinstance(v, dict)}
+    when = f" (seen at {time.strftime('%H:%M:%S', time.localtime(at))})" if _number(at) else ""
+    if not _number(step):
+        return Text(f"run {run_id} ended{when}")
+    tail = []
+    if not _number(steps):
+        head = f"run {run_id} ended at step {step}{when}"
+    elif step >= steps:
+        head = f"run {run_id} finished at step {step}{when}"
+    else:
+        head = f"run {run_id} ended at step {step} of --steps {steps}{when}, its peers left early"
+        tail = ["to go on, start them again with --resume and their --checkpoint-dir"]
+    said = [f"{len(views)} peer{'s' if len(views) != 1 else ''} done ({', '.join(sorted(views))})"]
+    ppl = {n: v.get("val_ppl") for n, v in views.items() if _number(v.get("val_ppl")) and v["val_ppl"] >= 0}
+    if ppl:
+        said.append("val ppl " + _alike({n: f"{x:.2f}" for n, x in ppl.items()}))
+    digests = {n: v.get("theta_sha") for n, v in views.items() if isinstance(v.get("theta_sha"), str)}
+    if any(digests.values()):
+        said.append("θ̄ sha256 " + _alike({n: d for n, d in digests.items() if d}))
+    return Text(f"{head}: {'; '.join(said + tail)}")
+
+
+def _alike(values: dict[str, str]) -> str:
+    """One value where every peer says the same, else each with the peers that say it."""
+    by_value: dict[str, list[str]] = {}
+    for name, value in sorted(values.items()):
+        by_value.setdefault(value, []).append(name)
+    if len(by_value) == 1:
+        return next(iter(by_value))
+    return ", ".join(f"{value} ({', '.join(names)})" for value, names in by_value.items())
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def run_table(run_id: str, run: dict[str, Any], plain: bool, fit: Console | None = None) -> Table:

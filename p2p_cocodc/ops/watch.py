@@ -1,5 +1,6 @@
-"""What the bootstrap keeps so that operators can watch a run: each peer's history, and a word on
-its health, served by its HTTP server (``/history``, ``/status``) and drawn by the page in web/.
+"""What the bootstrap keeps so that operators can watch a run: each peer's history, a word on its
+health, and how the runs it saw end ended, served by its HTTP server (``/history``, ``/status``) and
+drawn by the page in web/.
 
 Records come from untrusted peers, so everything kept is bounded: at most ``MAX_SERIES`` peers
 (all runs together) are followed, the one seen longest ago dropped first, and each keeps at most
@@ -15,10 +16,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from p2p_cocodc.peer.lobby import run_end
 from p2p_cocodc.swarm.records import PeerRecord
 
 POINT_FIELDS = ("t", "step", "val_ppl", "tokens_per_s", "bytes_sent", "bytes_received", "stall_s")
 MAX_SERIES = 64
+MAX_ENDED = 16  # ended runs remembered (with their peers' last records), all runs together
 MAX_POINTS = 512  # even: thinning a full series keeps its newest point
 FIRST_SPACING_S = 1.0
 # the status page: file name -> content type; served at /status.html (and /), /status.js, /status.css
@@ -90,6 +93,44 @@ class History:
         for (run_id, peer), series in self.series.items():
             runs.setdefault(run_id, {})[peer] = {"region": series.region, "points": series.points}
         return {"fields": POINT_FIELDS, "runs": runs}
+
+
+class Endings:
+    """The runs the bootstrap saw end, each with the step it ended at (every peer of it on the board
+    done: ``peer/lobby.py`` ``run_end``), its --steps as its peers published them, when it was seen
+    to end, and its peers' last records. Their done records leave the board 2 minutes after the end;
+    kept here, ``p2p-cocodc status`` asked later still says how the run ended. At most ``MAX_ENDED``
+    runs (the one that ended longest ago goes first); a run id seen taking part again (a new run
+    under it) is forgotten."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, dict[str, Any]] = {}
+
+    def read(
+        self, run_id: str, records: dict[str, PeerRecord], info: Any, views: dict[str, Any], now: float
+    ) -> None:
+        """One read of a run's records (``views``: as /status shows them), at wall time ``now``."""
+        step = run_end(records.values())
+        if step is None:
+            if records:  # some peer takes part: not an ended run (any more)
+                self.runs.pop(run_id, None)
+            return
+        known = self.runs.get(run_id)
+        options = info.get("options") if isinstance(info, dict) else None
+        steps = options.get("--steps") if isinstance(options, dict) else None
+        self.runs[run_id] = {
+            "step": max(step, known["step"]) if known else step,
+            "steps": steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
+            "at": known["at"] if known else now,
+            "info": info,
+            "peers": {**(known["peers"] if known else {}), **views},  # a record gone meanwhile stays
+        }
+        if len(self.runs) > MAX_ENDED:
+            del self.runs[min(self.runs, key=lambda r: self.runs[r]["at"])]
+
+    def to_json(self) -> dict[str, Any]:
+        """{run id: {"step", "steps", "at", "info", "peers": {peer id: its last record's view}}}"""
+        return self.runs
 
 
 def health(records: dict[str, PeerRecord], ages: dict[str, float]) -> dict[str, list[str]]:

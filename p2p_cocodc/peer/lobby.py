@@ -38,7 +38,7 @@ the text with the run and its --wait-peers when the wait times out.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -172,15 +172,25 @@ def admit(view: View, seat: Seat, first_steps: Mapping[str, int]) -> tuple[Admis
     return Wait(f"only {len(live)} of --workers {seat.workers} peers joined", tuple(live)), first
 
 
+def run_end(records: Iterable[Record]) -> int | None:
+    """The step a run ended at, when every one of ``records`` (its peers on the board) is done; None
+    while any of them takes part, or when there are none. A done record stays on the board for the
+    longest lifetime a record has (``swarm/records.py`` ``MAX_LIFETIME_S``, 2 minutes): that long
+    after its end, a run is known to have ended (and its id stays taken). It finished when that step
+    is its --steps; before it, its peers left early."""
+    records = list(records)
+    if not records or any(r.state != "done" for r in records):
+        return None
+    return max(r.step for r in records)
+
+
 def check_not_ended(same: View, seat: Seat) -> None:
-    """UserError when every other peer of the run on the board is done and none takes part any more:
-    the run ended before this peer came (a done record stays on the board for the longest lifetime a
-    record has, ``swarm/records.py`` ``MAX_LIFETIME_S``: that long, the run's id stays taken). A peer
-    resuming the run is let through: a swarm stopped early goes on with --resume."""
-    others = [r for p, r in same.items() if p != seat.peer_id]
-    if seat.resume_step is not None or not others or any(r.state != "done" for r in others):
+    """UserError when every other peer of the run on the board is done and none takes part any more
+    (``run_end``): the run ended before this peer came. A peer resuming the run is let through: a
+    swarm stopped early goes on with --resume."""
+    step = run_end(r for p, r in same.items() if p != seat.peer_id)
+    if seat.resume_step is not None or step is None:
         return
-    step = max(r.step for r in others)
     if step >= seat.steps:
         raise UserError(
             f"run {seat.run_id!r} finished at step {step}: choose a new --run-id (a finished run's id "

@@ -216,9 +216,10 @@ def listen_maddrs(host: str, port: int, flag: str = "--host") -> list[str]:
     return [f"/{kind}/{host}/tcp/{port}"]
 
 
-def check_listen_address(host: str, port: int) -> str:
+def check_listen_address(host: str, port: int, in_use: str | None = None) -> str:
     """Bind ``host``:``port`` as p2pd will (and let go at once): a taken port or an address this
-    machine does not have is refused here, in one line. p2pd itself would not refuse a port another
+    machine does not have is refused here, in one line (``in_use``: that line for a taken port, where
+    the caller knows better than "another program"). p2pd itself would not refuse a port another
     p2pd holds (both set SO_REUSEPORT): two peers would share it and each would dial itself."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -232,7 +233,8 @@ def check_listen_address(host: str, port: int) -> str:
         except OSError as exc:
             raise listen_failed(
                 exc,
-                in_use=f"--port {port} is in use on {host}: another peer, bootstrap or program listens "
+                in_use=in_use
+                or f"--port {port} is in use on {host}: another peer, bootstrap or program listens "
                 "there; give each one on a machine its own --port (the peer profiles use 31401-31403)",
                 not_here=f"--host {host} is not an address of this machine: listen on 0.0.0.0 and give the "
                 "address other peers dial as --announce",

@@ -7,47 +7,29 @@ round). The same machine runs on an in-memory network with a fake clock in the m
 (``tests/test_round_model.py``), which drives it through many schedules of delays, drops,
 duplicates, crashes and disagreeing board views and checks its invariants after every event.
 
-Phases (``docs/swarm.md`` has the full tables):
+Phases (``docs/swarm.md`` has the full tables and every rule):
 
-- IDLE: this peer has not reached the round yet; it answers what others ask and records joins if
-  it is the round's leader.
-- FORMING: the group is being chosen. The leader is the first in line (``leader_rank``: a hash of
-  the round and the peer id, so no id is first in every round) of the peers this peer knows to be live for
-  the round (the board, plus any peer heard from within a record lifetime, minus peers that gave the
-  round up or stopped answering). A non-leader sends JOIN to its leader, which answers LEADER (wait,
-  or "go to this peer, before us in line") or GROUP. The leader lists every live peer that joins; it decides
-  once all have, or at its deadline after a last PROBE of every missing peer has been answered or
-  that peer has stopped answering. A PROBE answered with GROUP makes the prober adopt that group;
-  with LEADER naming an unknown id, the prober probes that id; a live id before it in line makes a
-  leader yield (its joiners are redirected). A peer takes part in the first group it learns, ever.
-- RUNNING: the butterfly (``p2p_cocodc/algorithms/butterfly.py``). PARTs and RESULTs carry the member list,
-  are acknowledged, and are re-sent until they are, so reordering, duplicates and drops do no harm;
-  a member that learns one of its group adopted another list, stopped answering, or said it is
-  recovering, knows its group cannot complete and recovers.
-- RECOVERING: a peer left out of the group, or whose butterfly cannot complete, asks every peer it
-  knows for the round's average (FETCH). Any AVERAGE completes the round with that exact average.
-  It settles without one only when no peer it asked may still produce one: every answer is FAILED,
-  GONE or WAITING (itself recovering, or not at the round), every WAITING answer was given after the
-  last other answer became final, and no peer is BUSY. Then it is FAILED, or LOST if a peer said it
-  completed the round but no longer holds the average (this peer's θ̄ is then behind the swarm's).
-  Silence is final only for a peer off the board: one on the board that answers nothing may be
-  live behind a congested link and hold the average (a thin uplink queues its answers behind its
-  slices), so it stays asked; if it is still silent at ``Deadlines.undecided_by`` this peer settles
-  UNDECIDED and takes the swarm's state again instead of guessing. A leader, likewise, never forms
-  a group without a silent peer on the board (it may be in a group of the round already).
-- DONE: settled (completed, failed or lost); it still answers, and re-sends its RESULTs until they
-  are acknowledged or the round's deadline has passed.
+- IDLE: not at the round yet; it answers what others ask, and records joins if it leads.
+- FORMING: the leader is the first in line (``leader_rank``, a hash of round and peer id) of the
+  peers this one knows to be live; the others JOIN it. It lists every live peer that joins, and
+  decides once all have, or at its deadline once its last PROBEs are answered. A peer takes part
+  in the first group it learns, ever; a live id before a leader in line makes it yield.
+- RUNNING: the butterfly (``algorithms/butterfly.py``); PARTs and RESULTs carry the member list and
+  are re-sent until acknowledged; a member that cannot complete recovers.
+- RECOVERING: it asks every peer it knows for the round's average (FETCH) and completes with any
+  AVERAGE; it settles FAILED (or LOST: completed elsewhere, average gone) only when no peer asked
+  may still produce one. Silence is final only off the board: a peer on the board that answers
+  nothing may be live behind a congested link and hold the average (or a group: a leader never
+  forms without it), so it stays asked; still silent at ``Deadlines.undecided_by``, this peer
+  settles UNDECIDED and takes the swarm's state again instead of guessing.
+- DONE: settled; it still answers, and re-sends its RESULTs until acknowledged or too late.
 
-Invariants (checked by the model after every event): at most one group completes a round; every
-peer that completes holds the same average, bit for bit; no live peer fails a round another live
-peer completed (an UNDECIDED one resyncs); every live peer settles by ``Deadlines.settle_by``, and
-with no faults every round completes; only a congested link leaves a peer UNDECIDED.
+The invariants the model checks after every event are listed in ``docs/swarm.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +70,7 @@ from p2p_cocodc.swarm.round_events import (
     Outcome,
     Phase,
     Received,
+    Recovery,
     Send,
     Settle,
     Start,
@@ -96,17 +79,6 @@ from p2p_cocodc.swarm.round_events import (
     leader_rank,
     short,
 )
-
-
-@dataclass
-class Recovery:
-    """What the peers asked for the round's average have answered."""
-
-    asks: int = 0  # FETCHes sent so far (each carries its number)
-    answers: dict[str, tuple[Status, int]] = field(default_factory=dict)  # peer -> (status, ask answered)
-    last_final_ask: int = 0  # asks sent before the last answer became final; WAITING must be newer
-    unanswered_since: dict[str, float] = field(default_factory=dict)  # peer -> oldest FETCH it owes
-    since: float = 0.0  # when this peer began to recover
 
 
 class RoundMachine:
@@ -742,10 +714,8 @@ class RoundMachine:
         self._settle(Lost(why + " any more") if lost else Failed(why), now, out)
 
     def _unreachable(self, silent: set[str]) -> set[str]:
-        """Of the peers that answered no FETCH for ``answer_s``, those that may still hold the
-        average: the ones on the board. A live peer behind a congested link (a thin uplink full of
-        slices, a slow ACK) looks just as silent as a dead one; it stays asked, and this peer
-        undecided, until it answers or its record leaves the board. Model check: schedule 535."""
+        """Of the silent peers, those that may still hold the average or a group: the ones on the
+        board (a live peer behind a congested link looks as silent as a dead one). Seed 378."""
         return silent & set(self.view)
 
     def _may_conclude(self, now: float) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -13,7 +13,7 @@ import torch
 from p2p_cocodc.algorithms.butterfly import assemble, encode_slices, reduce_slice
 from p2p_cocodc.algorithms.codecs import Codec, get_codec
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.swarm.messages import Members, Message
+from p2p_cocodc.swarm.messages import Members, Message, Status
 from p2p_cocodc.swarm.wire import SLOWEST_LINK_MBPS
 
 EXACT = get_codec("fp32")  # averages served to a recovering peer: bit-exact
@@ -218,6 +218,17 @@ def run_job(job: Job, codec: Codec) -> Computed:
     except UserError as exc:
         return Computed(job, error=str(exc))
     return Computed(job, value)
+
+
+@dataclass
+class Recovery:
+    """A recovering peer's bookkeeping: what the peers asked for the round's average have answered."""
+
+    asks: int = 0  # FETCHes sent so far (each carries its number)
+    answers: dict[str, tuple[Status, int]] = field(default_factory=dict)  # peer -> (status, ask answered)
+    last_final_ask: int = 0  # asks sent before the last answer became final; WAITING must be newer
+    unanswered_since: dict[str, float] = field(default_factory=dict)  # peer -> oldest FETCH it owes
+    since: float = 0.0  # when this peer began to recover
 
 
 class Phase(Enum):
