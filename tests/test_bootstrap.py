@@ -155,14 +155,14 @@ def test_addresses_are_served_and_resolvable(boot: Bootstrap) -> None:
     address = json.loads((boot.cwd / "bootstrap.json").read_text())
     assert address["maddrs"] and all("/p2p/" in m for m in address["maddrs"])
     assert address["maddrs"][0].startswith(f"/ip4/127.0.0.1/tcp/{boot.port}/p2p/{address['peer_id']}")
-    assert address["join"] == f"127.0.0.1:{boot.status_port}"
+    assert address["join"] == f"127.0.0.1:{boot.status_port}" and address["key_id"] == "open"
 
     code, health = boot.get("/health")
     assert code == 200 and health["ok"] is True and health["dht_alive"] is True
     assert health["uptime_s"] >= 0
     code, served = boot.get("/address")
-    assert code == 200 and served == {"maddrs": address["maddrs"], "peer_id": address["peer_id"]}
-    assert parse_bootstrap(f"127.0.0.1:{boot.status_port}") == address["maddrs"]
+    assert code == 200 and served == {k: address[k] for k in ("maddrs", "peer_id", "key_id")}
+    assert parse_bootstrap(f"127.0.0.1:{boot.status_port}") == (address["maddrs"], "open")
     code, missing = boot.get("/nope")
     assert code == 404 and "error" in missing
 

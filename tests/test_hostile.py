@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from p2p_cocodc.swarm.trust import keygen
+from p2p_cocodc.swarm.trust import key_id, keygen, read_swarm_key
 from tests.swarm_procs import HOSTILE, end_group, records, run_cli, spawn, start_bootstrap
 from tests.tiny_options import TINY_MODEL, TINY_SYNCS
 
@@ -49,8 +49,12 @@ def test_honest_peers_shut_out_a_stranger_screen_bad_gradients_and_ban_a_floodin
         for i, mode in HOSTILE_MODES.items():
             args = [mode, *keyed, "--shard", f"{i}/{PEERS}", "--out", f"peer{i}.jsonl"]
             procs.append(spawn(args, tmp_path, f"peer{i}.log", command=HOSTILE))
-        # a stranger without the key: the keyed bootstrap and peers never take its record
+        # a stranger without the key, and one with another run's key: told at once, by the bootstrap
         stranger = run_cli([*join, "--out", "stranger.jsonl"], tmp_path, timeout=120)
+        other = tmp_path / "other.key"
+        keygen(str(other))
+        wrong_key = [*join, "--swarm-key-file", str(other), "--out", "wrong.jsonl"]
+        wrong = run_cli(wrong_key, tmp_path, timeout=120)
         clean = run_cli(["simulate", *OPTIONS, "--out", "clean.jsonl"], tmp_path, timeout=300)
         assert clean.returncode == 0, clean.stderr
         for i in range(3):
@@ -59,10 +63,15 @@ def test_honest_peers_shut_out_a_stranger_screen_bad_gradients_and_ban_a_floodin
         for proc in [*procs, boot.proc]:
             end_group(proc)
 
-    assert stranger.returncode != 0
-    error = stranger.stderr.strip().splitlines()[-1]
-    assert error.startswith("error: ") and "--swarm-key-file" in error and "Traceback" not in stranger.stderr
-    assert "is open: any peer that reaches the bootstrap may join it" in stranger.stderr
+    run_key, other_key = key_id(read_swarm_key(str(key))), key_id(read_swarm_key(str(other)))
+    for shut_out, holds in ((stranger, "none (an open run)"), (wrong, other_key)):
+        assert shut_out.returncode == 2 and "Traceback" not in shut_out.stderr, shut_out.stderr
+        error = shut_out.stderr.strip().splitlines()[-1]
+        assert error == (
+            f"error: --bootstrap {boot.host_port} admits only peers with a swarm key, key id {run_key}; "
+            f"this peer's is {holds}: give it the run's key file (--swarm-key-file), or its owner's id and "
+            "a certificate (--owner, --certificate)"
+        ), error
 
     summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
     assert all(s["kind"] == "summary" for s in summaries)

@@ -43,6 +43,14 @@ def test_a_certificate_admits_exactly_the_peer_it_names(keys: dict[str, Path]) -
     assert bootstrap.key_id == a.key_id != Membership().key_id
     other = Membership.from_options(owner=owner_id(keys, "other-owner.key"))
     assert not other.admits(a_id, a.proof(a_id))
+    # a peer is told at once by what its bootstrap admits (its /address names the key id)
+    a.check_admitted(bootstrap.key_id, "--bootstrap B")
+    a.check_admitted("open", "--bootstrap B")  # an open bootstrap relays any run's records
+    a.check_admitted(None, "--bootstrap B")  # given as a multiaddr: it could not be asked
+    with pytest.raises(UserError, match=f"an owner's certificate, key id {other.key_id}; this peer's is"):
+        a.check_admitted(other.key_id, "--bootstrap B")
+    with pytest.raises(UserError, match=r"this peer's is none \(an open run\)"):
+        Membership().check_admitted(bootstrap.key_id, "--bootstrap B")
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,7 @@ class Snapshot:
 
     def __init__(self, address: dict[str, Any]) -> None:
         self.started = time.monotonic()
-        self.address = _dumps({"maddrs": address["maddrs"], "peer_id": address["peer_id"]})
+        self.address = _dumps({k: address[k] for k in ("maddrs", "peer_id", "key_id") if k in address})
         self.status = _dumps({"runs": {}, "ended": {}, "updated_at": None, "error": None})
         self.history = _dumps(History().to_json())
         self.page = page_files()
@@ -180,6 +180,7 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
         signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             address = describe(dht, opts, status_host, server.server_address[1])
+            address["key_id"] = membership.key_id  # a peer with another key is told so at once
             server.snapshot = snapshot = Snapshot(address)
             if metrics is not None:
                 metrics.snapshot = snapshot

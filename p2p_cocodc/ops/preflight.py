@@ -53,6 +53,8 @@ def run_checks(cfg: TrainConfig, opts: SwarmOptions, say: Callable[[bool | None,
     listening = check(lambda: check_listen_address(opts.host, opts.port, opts.port_taken()))
     found: dict[str, Any] = {}
     bootstrap_up = check(lambda: locate_bootstrap(opts.bootstrap, found))
+    if bootstrap_up and found["key_id"] is not None:
+        check(lambda: admitted(opts, found["key_id"]))
     if not listening:
         return False
     try:
@@ -84,16 +86,23 @@ def check_files(cfg: TrainConfig, opts: SwarmOptions) -> str:
     return f"options and files ({'an open run' if membership.is_open else membership.key_id})"
 
 
+def admitted(opts: SwarmOptions, bootstrap_key_id: str) -> str:
+    """Whether the bootstrap admits by the key (or owner) this peer holds."""
+    membership = Membership.from_options(opts.swarm_key_file, opts.owner, opts.certificate, opts.identity)
+    membership.check_admitted(bootstrap_key_id, f"--bootstrap {opts.bootstrap}")
+    return f"the bootstrap admits this peer ({bootstrap_key_id})"
+
+
 def locate_bootstrap(addr: str, found: dict[str, Any]) -> str:
     """The bootstrap's multiaddrs into ``found["maddrs"]``, and its HTTP HOST:PORT into
     ``found["status"]`` (None, with the reason in ``found["skipped"]``, if it cannot be found)."""
     if not addr.strip().startswith("/"):
-        found["status"], found["maddrs"] = find_bootstrap(addr)
+        found["status"], found["maddrs"], found["key_id"] = find_bootstrap(addr)
         return f"the bootstrap's status server answers at {found['status']}"
-    found["maddrs"] = parse_bootstrap(addr)
+    found["maddrs"], found["key_id"] = parse_bootstrap(addr)
     parts = addr.strip().split("/")  # /ip4/HOST/tcp/PORT/p2p/ID: its status server, where it is the default
     try:
-        status, maddrs = find_bootstrap(f"[{parts[2]}]:{STATUS_PORT}", timeout=3.0)
+        status, maddrs, _ = find_bootstrap(f"[{parts[2]}]:{STATUS_PORT}", timeout=3.0)
     except UserError:
         status, maddrs = None, []
     peer_id = addr.strip().rstrip("/").split("/")[-1]

@@ -117,7 +117,8 @@ class Peer:
         )
         if region is None:  # a region's ranks settled theirs (``Region.start``)
             resolve_device(cfg.device)
-        self.initial_peers = parse_bootstrap(opts.bootstrap)
+        self.initial_peers, bootstrap_key_id = parse_bootstrap(opts.bootstrap)
+        self.membership.check_admitted(bootstrap_key_id, f"--bootstrap {opts.bootstrap}")
         self.cfg = cfg
         self.opts = opts
         self.metrics = metrics if metrics is not None else PeerMetrics()  # served with --metrics-port

@@ -53,8 +53,9 @@ def install_pdeathsig() -> None:
     _pdeathsig_installed = True
 
 
-def parse_bootstrap(addr: str, timeout: float = 10.0) -> list[str]:
-    """Multiaddrs of a bootstrap given as a full multiaddr or as the ``host:port`` it printed.
+def parse_bootstrap(addr: str, timeout: float = 10.0) -> tuple[list[str], str | None]:
+    """Multiaddrs of a bootstrap given as a full multiaddr or as the ``host:port`` it printed, and
+    the key id of the runs it admits (``swarm/trust.py``; None: not known, for a multiaddr).
 
     ``host:port`` is the bootstrap's HTTP status address; its ``/address`` answer lists the
     multiaddrs (libp2p cannot dial a peer without knowing its id). A host alone means the default
@@ -64,19 +65,22 @@ def parse_bootstrap(addr: str, timeout: float = 10.0) -> list[str]:
     addr = addr.strip()
     if addr.startswith("/"):
         _check_multiaddr(addr)
-        return [addr]
-    return find_bootstrap(addr, timeout)[1]
+        return [addr], None
+    _, maddrs, key_id = find_bootstrap(addr, timeout)
+    return maddrs, key_id
 
 
-def find_bootstrap(addr: str, timeout: float = 10.0) -> tuple[str, list[str]]:
-    """The HOST:PORT of the bootstrap's HTTP server that answered, and the multiaddrs it gave."""
+def find_bootstrap(addr: str, timeout: float = 10.0) -> tuple[str, list[str], str | None]:
+    """The HOST:PORT of the bootstrap's HTTP server that answered, the multiaddrs it gave, and the
+    key id it admits by (None if it did not say)."""
     status, answer = _fetch(addr, "/address", timeout, multiaddr_ok=True)
     maddrs = answer.get("maddrs") if isinstance(answer, dict) else None
     if not isinstance(maddrs, list) or not maddrs or not all(isinstance(m, str) for m in maddrs):
         raise UserError(f"--bootstrap {addr}: its /address did not answer with a bootstrap address")
     for m in maddrs:
         _check_multiaddr(m)
-    return status, maddrs
+    key_id = answer.get("key_id")
+    return status, maddrs, key_id if isinstance(key_id, str) and 0 < len(key_id) <= 16 else None
 
 
 def fetch_bootstrap_json(

@@ -169,6 +169,20 @@ class Membership:
             return "own" + hashlib.sha256(self.owner.encode()).hexdigest()[:13]
         return OPEN if self.key is None else key_id(self.key)
 
+    def check_admitted(self, bootstrap_key_id: str | None, where: str) -> None:
+        """UserError, at once, when the bootstrap admits by another key than this peer holds: its
+        records would be refused by every node of the run, and it would only learn that it is shut
+        out as a DHT that takes nothing. An open bootstrap (or one that did not say) admits all."""
+        if bootstrap_key_id in (None, OPEN) or bootstrap_key_id == self.key_id:
+            return
+        theirs = "an owner's certificate" if bootstrap_key_id.startswith("own") else "a swarm key"
+        mine = "none (an open run)" if self.is_open else self.key_id
+        raise UserError(
+            f"{where} admits only peers with {theirs}, key id {bootstrap_key_id}; this peer's is {mine}: "
+            "give it the run's key file (--swarm-key-file), or its owner's id and a certificate "
+            "(--owner, --certificate)"
+        )
+
     def proof(self, peer_id: str) -> bytes:
         """This peer's proof (``peer_id`` is its own id)."""
         if self.owner is not None:
