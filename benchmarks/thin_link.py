@@ -19,6 +19,7 @@ own libp2p connections, so it tells the link's delay apart from delay inside the
     python benchmarks/thin_link.py --mbps 10 --mbps 2 --steps 192 --dht-probe   # 5-12 minutes
     python benchmarks/thin_link.py --mbps 2 --steps 48 --timeout 300 --workdir runs/thin
     python benchmarks/thin_link.py --mbps 2 --repeat 5 --busy   # one θ̄ every time, a core kept busy
+    python benchmarks/thin_link.py --mbps 2 --repeat 3 --busy --undeclared   # as a new user runs it
 
 ``--busy`` keeps one core of the host busy beside the peers (as other work on a shared machine
 does), ``--repeat N`` runs each rate N times; the last line counts the runs that ended with one θ̄.
@@ -103,13 +104,14 @@ finally:
 
 
 def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
-    """The peers' options; each declares its link (--bandwidth-mbps), which its deadlines follow."""
+    """The peers' options; each declares its link (--bandwidth-mbps), which its deadlines follow,
+    unless ``--undeclared`` (the defaults, as a new user runs them: the link is measured)."""
+    declared = [] if args.undeclared else ["--bandwidth-mbps", str(mbps)]
     return [
         "--algo", args.algo, "--model", "small", "--tokenizer", "byte", "--seq-len", "64",
         "--batch-size", "4", "--workers", str(PEERS), "--steps", str(args.steps),
         "--inner-steps", "24", "--fragments", "4", "--overlap", "12", "--eval-every", "24",
-        "--eval-batches", "2", "--threads", "1", "--codec", args.codec, "--quiet",
-        "--bandwidth-mbps", str(mbps),
+        "--eval-batches", "2", "--threads", "1", "--codec", args.codec, "--quiet", *declared,
     ]  # fmt: skip
 
 
@@ -517,6 +519,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each rate")
     parser.add_argument("--busy", action="store_true", help="keep one core busy beside the peers")
+    parser.add_argument("--undeclared", action="store_true", help="peers do not declare their link rate")
     parser.add_argument(
         "--dht-probe",
         action="store_true",

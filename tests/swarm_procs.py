@@ -187,3 +187,8 @@ def start_bootstrap(
 
     info = wait_for(ready, 60, "the bootstrap's address file")
     return Bootstrap(proc, info["maddrs"][0], f"{host}:{status_port}")
+
+
+def evals(path: Path) -> int:
+    """How many evaluations of θ̄ a peer has written: how far its training has come."""
+    return sum(r["kind"] == "eval" for r in records(path)) if path.exists() else 0

@@ -14,7 +14,7 @@ from p2p_cocodc.swarm.round import RoundMachine
 from p2p_cocodc.swarm.round_events import Effect
 from tests.round_model import draw_plan, explore
 
-SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "10000"))
+SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "6000"))
 CHUNKS = 8
 
 
@@ -37,7 +37,7 @@ def violations(count: int, variant: str = "", first: int = 0) -> list[tuple[int,
         return [v for found in pool.map(explore_range, ranges) for v in found]
 
 
-def test_every_invariant_holds_on_ten_thousand_schedules() -> None:
+def test_every_invariant_holds_on_thousands_of_schedules() -> None:
     broken = violations(SCHEDULES)
     assert not broken, f"{len(broken)} schedules broke an invariant, e.g. seed {broken[0][0]}: {broken[0][1]}"
 

@@ -17,3 +17,18 @@ TINY_SYNCS = [
 ]
 # two peers (or workers) of 24 steps on one thread each, quiet
 TWO_PEERS = [*TINY_MODEL, "--workers", "2", "--steps", "24", *TINY_SYNCS, "--threads", "1", "--quiet"]
+
+# three peers of 32 steps, the real-process swarm tests' common options
+TINY = [
+    *TINY_MODEL,
+    "--workers",
+    "3",
+    "--steps",
+    "32",
+    *TINY_SYNCS,
+    "--threads",
+    "1",
+    "--codec",
+    "fp32",
+    "--quiet",
+]
