@@ -110,6 +110,7 @@ class ThinNet:
     nodes: list[Node] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)  # every namespace made, in order
     interfaces: list[str] = field(default_factory=list)  # every interface made (any namespace)
+    started: list[subprocess.Popen] = field(default_factory=list)  # by ``popen_in``, ended at the end
 
     @staticmethod
     def _ns(where: Node | str) -> str:
@@ -120,8 +121,12 @@ class ThinNet:
         return ["ip", "netns", "exec", self._ns(where)]
 
     def popen_in(self, where: Node | str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
-        """Start ``argv`` inside ``where``; ``ip netns exec`` execs it, so the pid is the command's."""
-        return subprocess.Popen([*self.prefix(where), *argv], **kwargs)
+        """Start ``argv`` inside ``where``; ``ip netns exec`` execs it, so the pid is the command's.
+        The network ends it when it is removed: listing the namespace's pids alone would miss a
+        process still in ``ip netns exec``, not yet inside, which then enters and outlives it."""
+        proc = subprocess.Popen([*self.prefix(where), *argv], **kwargs)
+        self.started.append(proc)
+        return proc
 
     def run_in(self, where: Node | str, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return subprocess.run([*self.prefix(where), *argv], **kwargs)
@@ -220,6 +225,12 @@ def thin_network(
             net.nodes.append(node)
         yield net
     finally:
+        for proc in net.started:  # ours, by pid: ended whether or not it is inside yet
+            if proc.poll() is None:
+                with suppress(ProcessLookupError):
+                    proc.kill()
+                with suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
         _kill_inside(net.namespaces)
         failures = []
         for ns in reversed(net.namespaces):

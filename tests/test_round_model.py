@@ -14,7 +14,7 @@ from p2p_cocodc.swarm.round import RoundMachine
 from p2p_cocodc.swarm.round_events import Effect
 from tests.round_model import draw_plan, explore
 
-SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "6000"))
+SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "4000"))
 CHUNKS = 8
 
 
