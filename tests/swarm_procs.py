@@ -10,12 +10,15 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.tiny_options import TINY
 
 CLI = [sys.executable, "-m", "p2p_cocodc"]
 HOSTILE = [sys.executable, "-m", "tests.hostile_peer"]  # a member with one behaviour changed: + MODES
@@ -192,3 +195,33 @@ def start_bootstrap(
 def evals(path: Path) -> int:
     """How many evaluations of θ̄ a peer has written: how far its training has come."""
     return sum(r["kind"] == "eval" for r in records(path)) if path.exists() else 0
+
+
+def round_leader_shard(boot_status: str, run_id: str) -> int:
+    """The shard of the peer with the smallest id on the bootstrap's /status (it leads about a third
+    of the rounds: the line is a hash of round and id), once /status lists the run."""
+
+    def peers() -> dict | None:
+        with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
+            return json.load(reply)["runs"].get(run_id, {}).get("peers")
+
+    found = wait_for(peers, 30, f"run {run_id} on the bootstrap's /status")
+    return found[min(found)]["shard"]
+
+
+def start_three_training(
+    tmp_path: Path, boot: Bootstrap, run_id: str, steps: int, peers: list[subprocess.Popen], *extra: str
+) -> list[Path]:
+    """Three cocodc peers on shards 0-2 (appended to ``peers`` as they start, so the caller ends
+    them whatever happens), returned once each has written a few records: training is under way.
+    ``extra`` options may name the peer's index as {i}. They keep the configured send pace (on this
+    loaded machine, slow acknowledgements can pace a run): the tests count the syncs done."""
+    for i in range(3):
+        args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", str(steps)]
+        args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", run_id, "--verbose"]
+        args += ["--pace", "fixed"]
+        args += [option.format(i=i) for option in extra]
+        peers.append(spawn(args, tmp_path, f"peer{i}.log"))
+    outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
+    wait_for(lambda: all(evals(o) >= 2 for o in outs), 120, "training to be under way")
+    return outs

@@ -4,54 +4,23 @@ every survivor ends with one θ̄ (the simulator replays their records to it).""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import urllib.request
 from pathlib import Path
 
 from tests.swarm_procs import (
-    Bootstrap,
     end_group,
     evals,
     records,
+    round_leader_shard,
     run_cli,
     sigkill_like_a_crash,
     spawn,
     start_bootstrap,
+    start_three_training,
     wait_for,
 )
 from tests.tiny_options import TINY
-
-
-def round_leader_shard(boot_status: str, run_id: str) -> int:
-    """The shard of the peer with the smallest id on the bootstrap's /status (it leads about a third
-    of the rounds: the line is a hash of round and id), once /status lists the run."""
-
-    def peers() -> dict | None:
-        with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
-            return json.load(reply)["runs"].get(run_id, {}).get("peers")
-
-    found = wait_for(peers, 30, f"run {run_id} on the bootstrap's /status")
-    return found[min(found)]["shard"]
-
-
-def start_three_training(
-    tmp_path: Path, boot: Bootstrap, run_id: str, steps: int, peers: list[subprocess.Popen], *extra: str
-) -> list[Path]:
-    """Three cocodc peers on shards 0-2 (appended to ``peers`` as they start, so the caller ends
-    them whatever happens), returned once each has written a few records: training is under way.
-    ``extra`` options may name the peer's index as {i}. They keep the configured send pace (on this
-    loaded machine, slow acknowledgements can pace a run): the tests count the syncs done."""
-    for i in range(3):
-        args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", str(steps)]
-        args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", run_id, "--verbose"]
-        args += ["--pace", "fixed"]
-        args += [option.format(i=i) for option in extra]
-        peers.append(spawn(args, tmp_path, f"peer{i}.log"))
-    outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
-    wait_for(lambda: all(evals(o) >= 2 for o in outs), 120, "training to be under way")
-    return outs
 
 
 def test_survivors_of_a_peer_killed_mid_run_finish_with_the_same_global_model(tmp_path: Path) -> None:
@@ -190,115 +159,3 @@ def test_a_peer_joins_a_run_in_progress_and_a_crashed_one_comes_back(tmp_path: P
     sim = run_cli([*replay, "--events", "peer0.jsonl", "--out", "replay.jsonl"], tmp_path, timeout=180)
     assert sim.returncode == 0, sim.stderr
     assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == hashes["peer0"]
-
-
-def test_a_whole_swarm_killed_and_resumed_ends_with_the_uninterrupted_global_model(tmp_path: Path) -> None:
-    """Three peers checkpoint every 16 steps; all are killed (SIGKILL, a power cut) mid-run and
-    started again with --resume. They agree on the newest step all of them hold a checkpoint of,
-    run again the syncs that were in flight there, and end with the θ̄ of the uninterrupted run
-    (the simulator's, with the same options), bit for bit."""
-    boot = start_bootstrap(tmp_path)
-    common = [
-        "join",
-        "--bootstrap",
-        boot.maddr,
-        "--algo",
-        "cocodc",
-        *TINY,
-        "--steps",
-        "400",
-        "--pace",
-        "fixed",
-    ]
-    common += ["--run-id", "resumed", "--checkpoint-every", "16", "--verbose"]
-
-    def start(i: int, *extra: str) -> subprocess.Popen:
-        args = [*common, "--identity", f"peer{i}.id", "--checkpoint-dir", f"ck{i}", "--out", f"peer{i}.jsonl"]
-        return spawn([*args, *extra], tmp_path, f"peer{i}{'-resumed' if extra else ''}.log")
-
-    def checkpoints(i: int) -> int:
-        folder = tmp_path / f"ck{i}"
-        return len(list(folder.glob("step-*.json"))) if folder.exists() else 0
-
-    peers: list[subprocess.Popen] = []
-    try:
-        peers += [start(i) for i in range(3)]
-        wait_for(lambda: all(checkpoints(i) >= 2 for i in range(3)), 120, "two checkpoints on every peer")
-        for proc in peers:
-            sigkill_like_a_crash(proc.pid)
-        # started again at once: the dead peers' records still say "training" past the checkpoint
-        # (for a record lifetime); a resuming peer must wait them out, not join them or refuse them
-        peers += [start(i, "--resume") for i in range(3)]
-        for i, proc in enumerate(peers[3:]):
-            assert proc.wait(timeout=180) == 0, (tmp_path / f"peer{i}-resumed.log").read_text()[-3000:]
-    finally:
-        for proc in [*peers, boot.proc]:
-            end_group(proc)
-
-    logs = "\n".join((tmp_path / f"peer{i}-resumed.log").read_text() for i in range(3))
-    assert logs.count("resuming the run after step") == 3, logs[-6000:]
-    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
-    assert all(s["kind"] == "summary" and s["steps"] == 400 for s in summaries)
-    hashes = {s["global_params_sha256"] for s in summaries}
-    assert len(hashes) == 1, logs[-6000:]
-    assert evals(tmp_path / "peer0.jsonl") == 400 // 8 + 1  # --out as an uninterrupted run's
-    sim = run_cli(
-        ["simulate", "--algo", "cocodc", *TINY, "--steps", "400", "--out", "sim.jsonl"], tmp_path, 120
-    )
-    assert sim.returncode == 0, sim.stderr
-    assert records(tmp_path / "sim.jsonl")[-1]["global_params_sha256"] in hashes
-
-
-def board_peers(boot_status: str, run_id: str) -> dict:
-    with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
-        return json.load(reply)["runs"].get(run_id, {}).get("peers", {})
-
-
-def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_path: Path) -> None:
-    """The round leader is frozen (SIGSTOP: a suspended VM, swap, a debugger) until its record has
-    lapsed, then resumed: the others go on without it, and it notices on waking that it was away,
-    takes the swarm's state again like a joiner and trains on with the others, instead of leading
-    rounds alone and ending with another θ̄."""
-    boot = start_bootstrap(tmp_path)
-    peers = []
-    try:
-        outs = start_three_training(tmp_path, boot, "frozen", 600, peers)
-        frozen = round_leader_shard(boot.host_port, "frozen")
-        others = [i for i in range(3) if i != frozen]
-        peers[frozen].send_signal(signal.SIGSTOP)
-        try:
-
-            def lapsed() -> bool:  # the others are listed, the frozen one no more
-                listed = {p["shard"] for p in board_peers(boot.host_port, "frozen").values()}
-                return set(others) <= listed and frozen not in listed
-
-            wait_for(lapsed, 60, "the frozen peer's record to lapse from the board")
-            at_lapse = [evals(outs[i]) for i in others]
-            wait_for(  # the others go on without it
-                lambda: all(evals(outs[i]) >= n + 2 for i, n in zip(others, at_lapse, strict=True)),
-                120,
-                "the others to train on",
-            )
-        finally:
-            peers[frozen].send_signal(signal.SIGCONT)
-        frozen_code = peers[frozen].wait(timeout=180)
-        for i in others:
-            assert peers[i].wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
-    finally:
-        for proc in [*peers, boot.proc]:
-            end_group(proc)
-
-    frozen_log = (tmp_path / f"peer{frozen}.log").read_text()
-    assert frozen_code == 0 and "was stopped for" in frozen_log, frozen_log[-3000:]
-    assert "taking the swarm's state again" in frozen_log, frozen_log[-3000:]
-    resumed = records(outs[frozen])[-1]
-    assert resumed["resyncs"] == 1 and resumed["joined_at"] > 0, resumed
-    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in others]
-    logs = "\n".join((tmp_path / f"peer{i}.log").read_text()[-6000:] for i in others)
-    assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"], logs
-    assert resumed["global_params_sha256"] == summaries[0]["global_params_sha256"], frozen_log[-3000:]
-    assert all(s["kind"] == "summary" and s["steps"] == 600 for s in summaries)
-    assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 2, logs
-    # they waited for the frozen leader until its record lapsed from their boards (a lifetime, 8 s),
-    # and on a round under way until it had been silent for answer_s (16 s), for at most two rounds
-    assert all(s["stall_s"] < 2 * (8 + 16) for s in summaries), [s["stall_s"] for s in summaries]

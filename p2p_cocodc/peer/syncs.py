@@ -40,7 +40,7 @@ from p2p_cocodc.peer.region import Region
 from p2p_cocodc.run.loop import Rejoin, SyncsFailing
 from p2p_cocodc.run.records import Records, params_sha256
 from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes
-from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost
+from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost, RoundUndecided
 from p2p_cocodc.swarm.records import NONE_YET
 from p2p_cocodc.swarm.state_transfer import StateServer
 
@@ -396,6 +396,11 @@ class SwarmReplica:
         the others completed without us (``RoundLost``) leaves θ̄ behind theirs, so this peer takes
         the swarm's state again; and syncs that keep failing mean it is not training with a swarm."""
         strategy = self.strategy
+        if isinstance(exc, RoundUndecided):
+            raise Rejoin(
+                f"this peer could not learn whether the swarm completed the sync of fragment {p} sent "
+                f"after step {strategy.in_flight[p].sent_step} ({exc})"
+            )
         if isinstance(exc, RoundLost):
             raise Rejoin(
                 f"the swarm completed the sync of fragment {p} sent after step "

@@ -106,8 +106,12 @@ class RoundFailed(Exception):
 
 
 class RoundLost(RoundFailed):
-    """Other peers completed this round, or may have (``Undecided``), and its average could not be
-    had here: θ̄ is, or may be, behind the swarm's."""
+    """Other peers completed this round, and its average could not be had here: θ̄ is behind the
+    swarm's."""
+
+
+class RoundUndecided(RoundLost):
+    """This peer could not learn whether the round completed (``Undecided``): θ̄ may be behind."""
 
 
 @dataclass
@@ -310,7 +314,9 @@ class FragmentExchange:
                 del self.groups[next(iter(self.groups))]
             return result.average
         self.stats.rounds_failed += 1
-        if isinstance(result, Lost | Undecided):
+        if isinstance(result, Undecided):
+            raise RoundUndecided(result.reason)
+        if isinstance(result, Lost):
             raise RoundLost(result.reason)
         assert isinstance(result, Failed)
         raise RoundFailed(result.reason)
