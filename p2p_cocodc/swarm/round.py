@@ -541,18 +541,16 @@ class RoundMachine:
 
     def _last_probes_answered(self, missing: set[str], now: float, out: list[Effect]) -> bool:
         """Whether every missing peer, and every peer one of them named as its leader, has answered
-        a probe sent since the deadline (or stopped answering): until then one of them may hold or
-        lead a group we do not know of. Re-sends the probes still unanswered."""
+        a probe sent since the deadline (or went silent off the board): until then one of them may
+        hold or lead a group we do not know of. Re-sends the probes still unanswered."""
         since = self.closing_since
         assert since is not None
         unanswered = {p for p in missing if self.answered_probe.get(p, -1.0) < since}
         hinted = {self.points_to.get(p) for p in missing} - {None, self.me} - missing
+        silent = self._silent(now)
+        gone = silent - self._unreachable(silent)
         unanswered |= {
-            h
-            for h in hinted
-            if h is not None
-            and h not in self._silent(now) - self._unreachable(self._silent(now))
-            and self.answered_probe.get(h, -1.0) < since
+            h for h in hinted if h is not None and h not in gone and self.answered_probe.get(h, -1.0) < since
         }
         for peer in sorted(unanswered):
             if self._due(Code.PROBE, peer, now):
