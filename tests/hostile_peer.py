@@ -7,6 +7,9 @@ swarm key) with one behaviour changed. Run it as ``python -m tests.hostile_peer 
 - ``flood``: at every round it reaches, it also opens 40 rounds that never end on every peer;
 - ``forge``: at every round it reaches, it hands every peer a group of that peer alone (each would
   complete the round alone, and θ̄ would split);
+- ``pairs``: at every round it reaches, it hands each peer behind it in that round's line, and in
+  the line of the next three rounds of the same fragment, a group of the two of them, which it
+  never runs (issue 19's forged-groups attack: the list passes the "forged list of one" check);
 - ``nan``: every outer gradient it sends is NaN (a broken region: every round it is in fails);
 - ``drift``: right before its last evaluation, its θ̄ moves by 1e-3 in one value: a split no round
   sees, which only the peers' comparison of θ̄ digests can catch.
@@ -24,13 +27,19 @@ import torch
 from p2p_cocodc.peer.syncs import SwarmReplica
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.messages import Group, Join
+from p2p_cocodc.swarm.round_events import leader_rank
 
-MODES = ("scale", "flip", "replay", "flood", "forge", "nan", "drift", "drift-early")
+MODES = ("scale", "flip", "replay", "flood", "forge", "pairs", "nan", "drift", "drift-early")
+
+
+def by_shard(member: tuple[str, int]) -> int:
+    return member[1]
 
 
 def corrupt(modes: set[str]) -> None:
     honest = FragmentExchange.allreduce
     first: dict[str, torch.Tensor] = {}
+    last_step: dict[str, int] = {}  # fragment -> the step of its last round here
 
     async def allreduce(self, round_id, vector, step, take_part=True, pace=0):  # type: ignore[no-untyped-def]
         if take_part:
@@ -50,6 +59,18 @@ def corrupt(modes: set[str]) -> None:
                 for peer, record in self.board_view().items():
                     if peer != self.peer_id and record.shard is not None:
                         self._start_send(peer, Group(round_id, ((peer, record.shard),), 0))
+            if "pairs" in modes:
+                fragment = round_id.split(":")[0]
+                every = step - last_step.get(fragment, step)
+                last_step[fragment] = step
+                ahead = [f"{fragment}:{step + k * every}" for k in range(1, 4)] if every > 0 else []
+                for rid in [round_id, *ahead]:
+                    for peer, record in self.board_view().items():
+                        if peer == self.peer_id or record.shard is None:
+                            continue
+                        if leader_rank(rid, self.peer_id) < leader_rank(rid, peer):
+                            pair = sorted([(self.peer_id, self.shard), (peer, record.shard)], key=by_shard)
+                            self._start_send(peer, Group(rid, tuple(pair), 0))
         return await honest(self, round_id, vector, step, take_part, pace)
 
     FragmentExchange.allreduce = allreduce  # type: ignore[method-assign]

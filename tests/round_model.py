@@ -5,7 +5,8 @@ how long every message takes (so messages overtake each other), which are droppe
 which peers crash and when, how long each peer's view of the board lags behind the truth (dead
 peers linger, new ones appear late), how long each computation takes, and whether one peer only
 fetches the round's average (a peer that joined the run after the round was sent, or came back
-to it: it promises to join no group and asks the others). It checks the machine's
+to it: it promises to join no group and asks the others), and whether one peer is a *forger*
+that hands others private groups. It checks the machine's
 invariants after every event and returns a ``Verdict``; nothing here reads a real clock.
 """
 
@@ -21,8 +22,10 @@ import torch
 
 from p2p_cocodc.algorithms.butterfly import butterfly_mean
 from p2p_cocodc.algorithms.codecs import get_codec
+from p2p_cocodc.swarm.messages import Group
 from p2p_cocodc.swarm.round import RoundMachine
 from p2p_cocodc.swarm.round_events import (
+    Accuse,
     BoardPeer,
     Completed,
     Compute,
@@ -38,6 +41,7 @@ from p2p_cocodc.swarm.round_events import (
     Tick,
     Undecided,
     ViewChanged,
+    leader_rank,
     run_job,
 )
 
@@ -74,10 +78,21 @@ class Plan:
     # slices, a slow ACK) delivers what is sent on it in that window late, beyond ``answer_s``: the
     # failure detector then takes a live peer for gone
     congested: dict[tuple[str, str], tuple[float, float, float]] = field(default_factory=dict)
+    # a member that runs the round honestly, yet sends each peer behind it in the round's line a
+    # GROUP of the two of them, which it never runs: before anyone reaches the round (a capture of
+    # a round not reached), when it reaches it, and once more at ``forge_at`` (issue 19's attack)
+    forger: str | None = None
+    forge_at: float = 0.0
 
     @property
     def faults(self) -> bool:
-        return bool(self.crash_at) or self.drop > 0 or bool(self.leave_at) or bool(self.congested)
+        return (
+            bool(self.crash_at)
+            or self.drop > 0
+            or bool(self.leave_at)
+            or bool(self.congested)
+            or self.forger is not None
+        )
 
 
 def draw_plan(seed: int) -> Plan:
@@ -113,6 +128,8 @@ def draw_plan(seed: int) -> Plan:
         start_at[fetcher] = extra.uniform(0, 40)
     paces = {p: extra.choice([0, 6, 6, 13, 40]) for p in ids}
     congested = draw_congestion(ids, random.Random(seed + 2_000_003))
+    forging = random.Random(seed + 3_000_007)
+    forger = forging.choice(ids) if forging.random() < 0.2 and fetcher is None else None
     return Plan(
         ids=ids,
         start_at=start_at,
@@ -130,6 +147,8 @@ def draw_plan(seed: int) -> Plan:
         fetcher=fetcher,
         paces=paces,
         congested=congested,
+        forger=forger,
+        forge_at=forging.uniform(0, 12),
     )
 
 
@@ -183,6 +202,8 @@ class World:
         self.trace: list[str] | None = None
         self.checked_state = (0, 0, 0)
         self.dropped_last: set[tuple[str, str]] = set()  # links whose last message was dropped
+        self.accusations: list[tuple[str, str, str]] = []  # (accuser, accused, why)
+        self.forged_to: set[str] = set()  # peers the forger sent a private group
 
     # ---- the schedule ----
 
@@ -248,6 +269,8 @@ class World:
                 self.send(peer, effect)
             elif isinstance(effect, Compute):
                 self.at(self.now + self.rng.choice([0.0, 0.01, 0.3]), ("computed", peer, effect.job))
+            elif isinstance(effect, Accuse):
+                self.accusations.append((peer, effect.peer, effect.why))
             elif isinstance(effect, Settle):
                 if peer in self.outcomes:
                     raise AssertionError(f"{peer} settled twice")
@@ -277,6 +300,9 @@ class World:
             self.at(t, ("start", peer))
         for peer, t in plan.crash_at.items():
             self.at(t, ("crash", peer))
+        if plan.forger is not None:
+            for t in (0.0, plan.start_at[plan.forger], plan.start_at[plan.forger] + plan.forge_at):
+                self.at(t, ("forge",))
         for peer, t in plan.leave_at.items():
             self.at(t, ("leave", peer))
             for viewer in plan.ids:
@@ -314,6 +340,8 @@ class World:
             elif kind == "computed":
                 _, peer, job = what  # type: ignore[misc]
                 self.feed(peer, run_job(job, self.codec))
+            elif kind == "forge":
+                self.forge()
             elif kind == "crash":
                 self.dead.add(what[1])  # type: ignore[index]
             elif kind == "leave":
@@ -338,6 +366,19 @@ class World:
         verdict.end_time = self.now
         verdict.outcomes = {p[:6]: type(o).__name__ for p, o in self.outcomes.items()}
         return verdict
+
+    def forge(self) -> None:
+        """The forger hands each peer behind it in the round's line a group of the two of them."""
+        forger = self.plan.forger
+        assert forger is not None
+        if forger in self.dead or forger in self.exited:
+            return
+        shard = self.plan.ids.index
+        for peer in self.plan.ids:
+            if peer != forger and leader_rank(ROUND, forger) < leader_rank(ROUND, peer):
+                members = tuple(sorted([(forger, shard(forger)), (peer, shard(peer))], key=lambda m: m[1]))
+                self.forged_to.add(peer)
+                self.send(forger, Send(peer, Group(ROUND, members, 0)))
 
     def broadcast_views(self) -> None:
         for peer in list(self.machines):
@@ -395,13 +436,18 @@ class World:
         lost = [p for p, o in self.outcomes.items() if isinstance(o, Lost)]
         if lost:
             return f"{lost} lost the round (nothing is ever evicted in the model)"
+        honest = [a for a in self.accusations if a[0] != self.plan.forger and a[1] != self.plan.forger]
+        if honest:
+            return f"{honest[0][0][:6]} accused {honest[0][1][:6]}, an honest peer: {honest[0][2]}"
         undecided = [p for p, o in self.outcomes.items() if isinstance(o, Undecided)]
-        if undecided and not self.plan.congested:  # the failure detector is right: every peer can know
+        # the failure detector is right, and every peer answers: every peer can know (a forger that
+        # leads may go silent on a peer it handed a private group)
+        if undecided and not self.plan.congested and self.plan.forger is None:
             return f"{undecided} could not learn the outcome, on links that deliver in time"
         return None
 
     def check_end(self, limit_s: float) -> str | None:
-        live = self.live_peers()
+        live = [p for p in self.live_peers() if p != self.plan.forger]  # the forger may never settle
         unsettled = [p for p in live if p not in self.outcomes]
         if unsettled:
             return f"{unsettled} never settled (by {self.now:.0f} s)"
@@ -409,6 +455,19 @@ class World:
         late = {p: t for p, t in self.settled_at.items() if p in live and t > bound}
         if late:
             return f"peers settled after the bound {bound:.0f} s: {late}"
+        forger = self.plan.forger
+        if forger is not None and not (self.plan.crash_at or self.plan.drop or self.plan.congested):
+            others = [p for p in self.plan.ids if p != forger]
+            leads = min(self.plan.ids, key=lambda p: leader_rank(ROUND, p)) == forger
+            # a forger that does not lead the round costs the honest peers nothing
+            if not leads and not self.plan.view_lag and not self.plan.leave_at:
+                behind = [p for p in others if not isinstance(self.outcomes.get(p), Completed)]
+                if behind:
+                    return f"a forger that does not lead the round made {behind[0][:6]} miss it"
+                blamed_by = {a for a, accused, _ in self.accusations if accused == forger}
+                if self.forged_to and not blamed_by:
+                    return "the forger handed out private groups, and no honest peer accused it"
+            return None
         if not (self.plan.crash_at or self.plan.drop or self.plan.congested):  # a leave is no fault
             full = tuple(sorted(p for p in self.plan.ids if p != self.plan.fetcher))
             for p in live:

@@ -305,20 +305,61 @@ def test_a_restarted_member_answers_its_old_rounds_failed_at_once() -> None:
 
 def test_a_member_list_that_puts_this_peer_first_and_that_it_never_decided_is_refused() -> None:
     # C hands B a group of B alone while B is forming (each peer would complete alone: θ̄ splits);
-    # B is first in line in that list, so only B itself could have decided it: B ignores it, names C,
-    # and the round completes in one honest group
+    # B is first in line in that list, so only B itself could have decided it: B ignores it. C is
+    # not in it (an honest peer could relay a list it was fooled with) and is not named for it; a
+    # list that puts B first and names C too is C's own lie: B names C, once for the round
     net = Net({A: [B, C], B: [A, C], C: [A, B]})
-    shard_b = sorted(net.machines).index(B)
+    shard_b, shard_c = sorted(net.machines).index(B), sorted(net.machines).index(C)
     forged = Received(C, Group(ROUND, ((B, shard_b),), 0))
     before = net.machines[B].handle(forged, net.now)  # before B reached the round: it must not fail it
     net.start(B, full(2.0))
     effects = net.machines[B].handle(forged, net.now)
-    assert [e.peer for e in before + effects if isinstance(e, Accuse)] == [C, C]
+    assert not [e for e in before + effects if isinstance(e, Accuse)]
+    with_c = Received(C, Group(ROUND, ((B, shard_b), (C, shard_c)), 0))
+    effects = net.machines[B].handle(with_c, net.now) + net.machines[B].handle(with_c, net.now)
+    assert [e.peer for e in effects if isinstance(e, Accuse)] == [C]
     assert net.machines[B].members is None and B not in net.outcomes
     net.start(A, full(4.0))
     net.start(C, full(6.0))
     net.run(30, net.settled(A, B, C))
     assert all(torch.equal(o.average, full(4.0)) for o in net.outcomes.values())  # type: ignore[union-attr]
+
+
+def test_a_group_naming_this_peer_is_believed_only_from_a_leader_it_joined_once_there() -> None:
+    """Issue 19's forged-groups attack: B, second in line, hands C a group of the two of them, for
+    the round before C reaches it (a capture) and again while C forms it; C joined A, the leader,
+    so it ignores both and names B once. B also hands A nothing (A is before it). The round
+    completes in one group of all three, and no honest peer is accused."""
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    shards = {p: sorted(net.machines).index(p) for p in (A, B, C)}
+    pair = tuple(sorted([(B, shards[B]), (C, shards[C])], key=lambda m: m[1]))
+    forged = Received(B, Group(ROUND, pair, 0))
+    before = net.machines[C].handle(forged, net.now)  # C has not reached the round
+    assert net.machines[C].members is None and C not in net.outcomes
+    net.start(C, full(3.0))
+    during = net.machines[C].handle(forged, net.now)  # C joined A, not B
+    assert net.machines[C].members is None
+    assert [e.peer for e in before + during if isinstance(e, Accuse)] == [B]  # once per round
+    net.start(A, full(1.0))
+    net.start(B, full(2.0))
+    net.run(30, net.settled(A, B, C))
+    assert all(isinstance(o, Completed) and len(o.members) == 3 for o in net.outcomes.values())
+    assert all(torch.equal(o.average, full(2.0)) for o in net.outcomes.values())  # type: ignore[union-attr]
+
+
+def test_a_leader_that_hands_out_two_groups_is_accused_by_the_member_that_got_both() -> None:
+    """A leads and C joins it; A hands C a private group of A and C, then its real group of all
+    three: C took the first it heard from the leader it joined, learns that A sent two groups of
+    the round, accuses A and recovers (it never runs the private one with anyone)."""
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    shards = {p: sorted(net.machines).index(p) for p in (A, B, C)}
+    net.start(C, full(3.0))  # C sends its JOIN to A
+    private = tuple(sorted([(A, shards[A]), (C, shards[C])], key=lambda m: m[1]))
+    took = net.machines[C].handle(Received(A, Group(ROUND, private, 0)), net.now)
+    assert net.machines[C].members == private and not any(isinstance(e, Accuse) for e in took)
+    real = tuple(sorted(shards.items(), key=lambda m: m[1]))
+    effects = net.machines[C].handle(Received(A, Group(ROUND, real, 0)), net.now)
+    assert [e.peer for e in effects if isinstance(e, Accuse)] == [A]
 
 
 def test_a_member_whose_record_claims_it_is_far_behind_is_waited_for_no_longer_than_round_s() -> None:

@@ -9,7 +9,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from p2p_cocodc.swarm.messages import Code, Status
+from p2p_cocodc.swarm.group_claims import GroupClaims, Judgement
+from p2p_cocodc.swarm.messages import Code, Members, Message, Status
 from p2p_cocodc.swarm.round import RoundMachine
 from p2p_cocodc.swarm.round_events import Effect
 from tests.round_model import draw_plan, explore
@@ -48,6 +49,7 @@ def test_the_schedules_cover_the_faults_they_claim() -> None:
     assert sum(bool(p.congested) for p in plans) > 120
     assert sum(p.drop > 0 for p in plans) > 150
     assert sum(bool(p.view_lag) for p in plans) > 100
+    assert sum(p.forger is not None for p in plans) > 60
     assert sum(max(p.start_at.values()) > 5 for p in plans) > 80
     assert {len(p.ids) for p in plans} == {3, 4, 5}
 
@@ -102,8 +104,27 @@ class SilenceIsFinal(RoundMachine):
         return set()
 
 
+class Credulous(GroupClaims):
+    def judge(self, sender: str, msg: Message, mine: Members | None, may_be_earlier: bool) -> Judgement:
+        return Judgement("", ignore=False)
+
+    def may_adopt(self, sender: str, members: Members) -> bool:
+        return True
+
+
+class BelievesAnyGroup(RoundMachine):
+    """Adopts a member list from any sender while forming, whether or not it joined the list's
+    leader (the rule before issue 19's forged-groups attack): a member that hands a peer a private
+    group of the two of them makes it miss the round."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.claims = Credulous(self.me, self.rank)
+
+
 VARIANTS: dict[str, type[RoundMachine]] = {
-    cls.__name__: cls for cls in (DeliversOnlyToLivePeers, TakesBusyForFinal, PacesByItself, SilenceIsFinal)
+    cls.__name__: cls
+    for cls in (DeliversOnlyToLivePeers, TakesBusyForFinal, PacesByItself, SilenceIsFinal, BelievesAnyGroup)
 }
 
 
@@ -117,6 +138,8 @@ VARIANTS: dict[str, type[RoundMachine]] = {
         # a peer whose probes sat in a congested uplink formed a group of one beside a group that
         # had formed without it before its leader left
         (2858, SilenceIsFinal),
+        # a member handed each peer behind it in line a private group of the two of them (issue 19)
+        (2216, BelievesAnyGroup),
     ],
 )
 def test_schedules_that_found_a_bug_pass_and_fail_without_its_fix(seed: int, variant: type) -> None:

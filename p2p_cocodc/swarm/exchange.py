@@ -33,12 +33,14 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
 
 from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
 from p2p_cocodc.algorithms.codecs import Codec
+from p2p_cocodc.swarm.group_claims import GroupClaims
 from p2p_cocodc.swarm.limits import Limits, PeerLimiter
 from p2p_cocodc.swarm.messages import (
     Ack,
@@ -73,6 +75,7 @@ from p2p_cocodc.swarm.round_events import (
     Tick,
     Undecided,
     ViewChanged,
+    leader_rank,
     run_job,
 )
 from p2p_cocodc.swarm.trust import OPEN
@@ -409,8 +412,7 @@ class FragmentExchange:
             elif isinstance(effect, Note):
                 log.info("%s", effect.text)
             elif isinstance(effect, Accuse):
-                self.accused[effect.peer] += 1
-                log.warning("round %s: %s sent %s", round_id, effect.peer[:12], effect.why)
+                self._accuse(round_id, effect.peer, effect.why)
         if round_id in self.open and machine.quiescent(time.monotonic()):
             self._finish(round_id, machine)
 
@@ -573,6 +575,7 @@ class FragmentExchange:
                 awaited.set()
         if round_id not in self.open and round_id not in self.finished:
             if message.code not in OPENING:  # an answer or a delivery for a round we never asked about
+                self._judge_unopened(sender, message)
                 return
             if len(self._not_reached()) >= MAX_OPEN_ROUNDS:
                 self._refuse(sender, round_id, f"{MAX_OPEN_ROUNDS} rounds opened by others are open here")
@@ -589,6 +592,23 @@ class FragmentExchange:
         self._feed(
             round_id, self._machine(round_id), Received(sender, message, self._replayed(sender, message))
         )
+
+    def _accuse(self, round_id: str, peer: str, why: str) -> None:
+        self.accused[peer] += 1
+        log.warning("round %s: %s sent %s", round_id, peer[:12], why)
+
+    def _judge_unopened(self, sender: str, message: Message) -> None:
+        """A GROUP for a round this peer never opened (so never joined: it joins only rounds it
+        reached) that names it, from the list's own leader, is a lie (``group_claims.py``), unless
+        an earlier process of this peer may have joined (it is taking the swarm's state, or
+        promised to stay out of the round). It is dropped either way."""
+        if message.code != Code.GROUP:
+            return
+        claims = GroupClaims(self.peer_id, partial(leader_rank, message.round_id))
+        earlier = self.joining or message.round_id in self.promised
+        judged = claims.judge(sender, message, None, may_be_earlier=earlier)
+        if judged.why:
+            self._accuse(message.round_id, sender, judged.why)
 
     def _replayed(self, sender: str, message: Message) -> bool:
         """Whether a PART's bytes are ones ``sender`` already sent this peer in another round: an

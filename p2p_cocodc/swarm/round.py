@@ -13,7 +13,8 @@ Phases (``docs/swarm.md`` has the full tables and every rule):
 - FORMING: the leader is the first in line (``leader_rank``, a hash of round and peer id) of the
   peers this one knows to be live; the others JOIN it. It lists every live peer that joins, and
   decides once all have, or at its deadline once its last PROBEs are answered. A peer takes part
-  in the first group it learns, ever; a live id before a leader in line makes it yield.
+  in the first group it learns, ever, from a leader it joined (``group_claims.py``: which lists it
+  believes, which prove a liar); a live id before a leader in line makes it yield.
 - RUNNING: the butterfly (``algorithms/butterfly.py``); PARTs and RESULTs carry the member list and
   are re-sent until acknowledged; a member that cannot complete recovers.
 - RECOVERING: it asks every peer it knows for the round's average (FETCH) and completes with any
@@ -36,6 +37,7 @@ import torch
 from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
 from p2p_cocodc.algorithms.butterfly import slice_sizes
 from p2p_cocodc.algorithms.codecs import Codec
+from p2p_cocodc.swarm.group_claims import GroupClaims
 from p2p_cocodc.swarm.messages import (
     Ack,
     Average,
@@ -123,6 +125,7 @@ class RoundMachine:
         self.wish = 0  # the pace this peer asks for (from Start)
         self.wishes: dict[str, int] = {}  # while leading: joined peer -> the pace it asked for
         self.joined: str | None = None  # the leader we sent JOIN to
+        self.claims = GroupClaims(me, self.rank)  # which member lists we may believe, and who lied
         self.closing_since: float | None = None  # the leader's deadline passed: last probes are out
         self.leading_since: float | None = None  # since when this peer takes itself for the leader
         self.answered_probe: dict[str, float] = {}  # peer -> when it last answered a JOIN/PROBE of ours
@@ -263,8 +266,6 @@ class RoundMachine:
         self.phase = Phase.FORMING
         if self.gave_round_up:  # promised, or only here for the average: never a member
             self._recover(now, out, "this peer gave the round up before it reached it")
-        elif self.members is not None:
-            self._enter_group(now, out)
 
     def _on_message(self, sender: str, msg: Message, now: float, out: list[Effect]) -> None:
         if sender == self.me:
@@ -277,9 +278,10 @@ class RoundMachine:
         if isinstance(msg, Join | Probe) and msg.fingerprint != self.fingerprint:
             self._reply_status(out, sender, Status.REFUSED, "your options differ from this run's", now)
             return  # a peer of another configuration is not a peer of this round
-        if self._forged_lead(getattr(msg, "members", ())):
-            why = "a member list that puts this peer first in line for the round, which it never decided"
-            out.append(Accuse(sender, why))
+        judged = self.claims.judge(sender, msg, self.members, may_be_earlier=self.gave_round_up)
+        if judged.why:
+            out.append(Accuse(sender, judged.why))
+        if judged.ignore:
             return
         self.heard[sender] = now
         if isinstance(msg, Join | Probe):  # Probe is a Join subclass: both ask what we know
@@ -323,8 +325,7 @@ class RoundMachine:
 
     def _on_group(self, sender: str, msg: Group, now: float, out: list[Effect]) -> None:
         if self.members is None:
-            if self.phase in (Phase.IDLE, Phase.FORMING):
-                self._adopt(msg.members, msg.pace, now, out, f"from {short(sender)}")
+            self._learn(sender, msg.members, msg.pace, now, out, f"from {short(sender)}")
         elif not self._same_group(msg) and self.phase == Phase.RUNNING and self._is_member(sender):
             self._recover(now, out, f"member {short(sender)} is in another group of the round")
 
@@ -334,7 +335,9 @@ class RoundMachine:
         if self.vector is not None and len(msg.data) > self.codec.wire_bytes(self.vector.numel()):
             return  # larger than our whole vector encoded: never held
         if self.members is None and self.phase == Phase.FORMING:
-            self._adopt(msg.members, msg.pace, now, out, f"from a delivery of {short(sender)}")
+            self._learn(sender, msg.members, msg.pace, now, out, f"from a delivery of {short(sender)}")
+            if self.members is None:
+                return  # a group it may not adopt (its leader is not ours): never held, never ACKed
         if not self._same_group(msg):
             if self.members is not None:
                 self._send(out, sender, Group(self.round_id, self.members, self.pace), now, expect=False)
@@ -377,8 +380,8 @@ class RoundMachine:
     def _on_fetch(self, sender: str, msg: Fetch, now: float, out: list[Effect]) -> None:
         self.gave_up.add(sender)  # it will not join: a leader stops waiting for it
         self.joins.pop(sender, None)
-        if msg.members and self.members is None and self.phase in (Phase.IDLE, Phase.FORMING):
-            self._adopt(msg.members, msg.pace, now, out, f"from a FETCH of {short(sender)}")
+        if msg.members and self.members is None:
+            self._learn(sender, msg.members, msg.pace, now, out, f"from a FETCH of {short(sender)}")
         if isinstance(self.outcome, Completed):
             done, average = self.outcome, self.outcome.average
             reply: Message = Average(
@@ -488,6 +491,7 @@ class RoundMachine:
             self.leading_since = None
             if self.joined != leader or self._due(Code.JOIN, leader, now):
                 self.joined = leader
+                self.claims.joined.add(leader)
                 self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint, self.wish), now)
             if now >= self.deadlines.join_patience(self.started_at, self.eta_s):
                 self._recover(now, out, f"leader {short(leader)} did not form the group in time")
@@ -565,6 +569,18 @@ class RoundMachine:
         pace = max(self.wishes.get(peer, 0) for peer, _ in members)
         self._adopt(members, pace, now, out, "as its leader")
 
+    def _learn(
+        self, sender: str, members: Members, pace: int, now: float, out: list[Effect], how: str
+    ) -> None:
+        """A member list a message carries, while this peer holds none: adopted while forming if
+        ``GroupClaims.may_adopt`` allows; never while IDLE (no capture of a round not reached)."""
+        if self.phase == Phase.FORMING and self.claims.may_adopt(sender, members):
+            self._adopt(members, pace, now, out, how)
+        elif self.phase == Phase.IDLE and self.gave_round_up and self.claims.names_me(members):
+            # listed, yet this process gave the round up before reaching it: an earlier process with
+            # our identity (crashed, restarted) joined, and its part of the round is lost with it
+            self._settle(Failed("listed in a group an earlier process of this peer joined"), now, out)
+
     def _adopt(self, members: Members, pace: int, now: float, out: list[Effect], how: str) -> None:
         """The first group this peer learns is its group of the round, for good."""
         self.members, self.pace = members, pace
@@ -576,10 +592,6 @@ class RoundMachine:
         self.joins = {}
         if self.phase == Phase.FORMING:
             self._enter_group(now, out)
-        elif self.phase == Phase.IDLE and self._is_member(self.me):
-            # listed, yet this process never sent a JOIN: an earlier process with our identity
-            # (crashed, restarted) did, and its part of the round is lost with it
-            self._settle(Failed("listed in a group an earlier process of this peer joined"), now, out)
 
     def _enter_group(self, now: float, out: list[Effect]) -> None:
         assert self.members is not None and self.vector is not None
@@ -698,12 +710,11 @@ class RoundMachine:
                 self._send(out, peer, fetch, now)
         if "decode" in self.jobs_out:
             return
-        if pending:
-            if set(pending) <= unreachable and now >= self.deadlines.undecided_by(rec.since):
+        if pending:  # silent on the board, or still "in the round" past every honest deadline
+            if now >= self.deadlines.undecided_by(rec.since):
                 names = sorted(short(p) for p in pending)
-                why = f"{self.why_recovering}, and {names} on the board answered nothing"
-                why += ": it may hold the average"
-                self._settle(Undecided(why), now, out)
+                why = f"{self.why_recovering}, and {names} on the board gave no final answer"
+                self._settle(Undecided(why + ": it may hold the average"), now, out)
             return
         if not self._may_conclude(now):
             return
@@ -775,16 +786,6 @@ class RoundMachine:
 
     def _probe(self) -> Probe:
         return Probe(self.round_id, self.shard, self.fingerprint, self.wish)
-
-    def _forged_lead(self, members: Members) -> bool:
-        """A group is only ever decided by its first member in line (every joiner chose a leader
-        before itself in line, and the leader lists itself), so a list that puts this peer first
-        and is not the one it decided is forged: a member handing out groups of one to split θ̄, or
-        making a peer fail rounds before it reaches them. (An earlier process of this peer, since
-        restarted, may have decided it: its members then recover when the butterfly times out.)"""
-        if not members or members == self.members:
-            return False
-        return min((peer for peer, _ in members), key=self.rank) == self.me
 
     def _same_group(self, msg: Group) -> bool:
         return (msg.members, msg.pace) == (self.members, self.pace)

@@ -1,0 +1,105 @@
+"""Which member lists of one round a peer may believe, and which prove their sender dishonest.
+
+A group is decided by exactly one peer, its **leader**: the first of its members in the round's
+line (``leader_rank``). Every joiner chose a leader before itself in line, and the leader lists
+itself, so a member list is a claim made by its first member. A peer checks each list it is sent
+against what it did itself; a sender is blamed only for what it said directly (libp2p authenticates
+senders), never for a list it relays, which is its source's word, not its own:
+
+- **forged lead**: a list that puts this peer first, which it never decided;
+- **a listing never asked for**: a GROUP that names this peer, from its own first member, while
+  this peer never sent that member a JOIN in this round (a leader lists only peers that joined it).
+  A process that gave the round up before reaching it (it was taking the swarm's state, or came
+  back after a crash) may have had an earlier process join: that listing is believed, and blamed
+  on no one;
+- **two groups**: a sender that is first in line in two different groups (member list and pace)
+  of the round.
+
+A list that names this peer is adopted only from a leader this process joined, and only once the
+peer has reached the round (``RoundMachine`` never adopts while IDLE): a member cannot hand a peer
+a private group for the round at hand, and no one can capture a round the peer has not reached.
+A list that does not name this peer may still be adopted while forming (this peer then recovers
+and asks for the average: a group it is not in must never meet a second one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from p2p_cocodc.swarm.messages import Code, Members, Message
+
+FORGED_LEAD = "a member list that puts this peer first in line for the round, which it never decided"
+GroupKey = tuple[Members, int]  # a group: its ordered member list and its pace
+
+
+class Judgement(NamedTuple):
+    why: str  # why the sender is dishonest, '' if it is not (or was already accused this round)
+    ignore: bool  # the message is not to be acted on
+
+
+class GroupClaims:
+    """What one round's machine was told about the round's groups, and by whom."""
+
+    def __init__(self, me: str, rank: Callable[[str], bytes]) -> None:
+        self.me = me
+        self.rank = rank
+        self.joined: set[str] = set()  # every peer this process sent a JOIN for this round
+        self.led: dict[str, GroupKey] = {}  # sender -> the group it said it leads (first said)
+        self.blamed: set[str] = set()  # senders already accused in this round: once each
+
+    def first(self, members: Members) -> str:
+        """The member that decided this list, if anyone did: the first in line."""
+        return min((peer for peer, _ in members), key=self.rank)
+
+    def names_me(self, members: Members) -> bool:
+        return any(peer == self.me for peer, _ in members)
+
+    def judge(self, sender: str, msg: Message, mine: Members | None, may_be_earlier: bool) -> Judgement:
+        """What ``sender`` just said: whether it proves the sender dishonest (``why``, given once
+        per sender and round) and whether the message is to be ignored. ``mine``: this peer's
+        group, if it has one; ``may_be_earlier``: an earlier process of this peer may have joined
+        the round (it gave the round up before reaching it).
+
+        - A list that puts this peer first, which it never decided (a member handing out groups
+          of one to split θ̄, or making a peer fail rounds it has not reached): never adopted. Its
+          sender is blamed only if it is named in it (an honest member holds a list naming itself
+          only from that list's leader: this peer). A GROUP with it is ignored; a FETCH or a
+          delivery is still answered (its sender may be a victim asking for the average).
+        - A GROUP naming this peer from its own first member, which this peer never joined:
+          ignored whole, and its sender blamed.
+        - A sender first in line in two different groups of the round: blamed."""
+        members: Members = getattr(msg, "members", ())
+        if not members or members == mine:
+            return Judgement("", ignore=False)
+        first = self.first(members)
+        if first == self.me:
+            named = any(peer == sender for peer, _ in members)
+            return self._blame(sender, FORGED_LEAD if named else "", ignore=msg.code == Code.GROUP)
+        if first != sender:
+            return Judgement("", ignore=False)
+        pace: int = getattr(msg, "pace", 0)
+        said = self.led.setdefault(sender, (members, pace))
+        unasked = (
+            msg.code == Code.GROUP
+            and self.names_me(members)
+            and sender not in self.joined
+            and not may_be_earlier
+        )
+        if unasked:
+            return self._blame(sender, "a group of the round naming this peer, which never joined it", True)
+        if said != (members, pace):
+            return self._blame(sender, "two different groups of the round, each led by itself", False)
+        return Judgement("", ignore=False)
+
+    def _blame(self, sender: str, why: str, ignore: bool) -> Judgement:
+        if not why or sender in self.blamed:
+            return Judgement("", ignore)
+        self.blamed.add(sender)
+        return Judgement(why, ignore)
+
+    def may_adopt(self, sender: str, members: Members) -> bool:
+        """Whether a list may become this peer's group (the machine is forming): one that names
+        this peer only from its leader's own word, and only a leader this process joined; one that
+        does not name it, from anyone."""
+        return not self.names_me(members) or (self.first(members) == sender and sender in self.joined)
