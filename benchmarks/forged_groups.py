@@ -57,19 +57,21 @@ def run_swarm(workdir: Path, attacked: bool, steps: int, timeout_s: float) -> di
     finally:
         for proc in [*procs, boot.proc]:
             end_group(proc)
-    summaries = [records(workdir / f"peer{i}.jsonl")[-1] for i in range(PEERS)]
+    ends = [records(workdir / f"peer{i}.jsonl")[-1] for i in range(PEERS)]
+    # a peer that ended with an error has no summary: it counts as 0 steps/s and no θ̄
+    summaries = [e if e["kind"] == "summary" else {"steps": 0, "wall_time_s": 1.0} for e in ends]
     attacker = summaries[HONEST].get("peer_id")
     honest = summaries[:HONEST]
     return {
         "attacked": attacked,
         "exit_codes": codes,
         "steps_per_s": [s["steps"] / s["wall_time_s"] for s in honest],
-        "stall_s": [round(s["stall_s"], 1) for s in honest],
-        "rounds_done": [s["rounds_done"] for s in honest],
-        "rounds_failed": [s["rounds_failed"] for s in honest],
-        "one_theta": len({s["global_params_sha256"] for s in honest}) == 1,
-        "attacker_accused_by": sum(attacker in s["accused"] for s in honest),
-        "honest_accused": sorted({p for s in honest for p in s["accused"] if p != attacker}),
+        "stall_s": [round(s.get("stall_s", 0.0), 1) for s in honest],
+        "rounds_done": [s.get("rounds_done") for s in honest],
+        "rounds_failed": [s.get("rounds_failed") for s in honest],
+        "one_theta": len({s.get("global_params_sha256") for s in honest}) == 1 and not any(codes[:HONEST]),
+        "attacker_accused_by": sum(attacker in s.get("accused", {}) for s in honest),
+        "honest_accused": sorted({p for s in honest for p in s.get("accused", {}) if p != attacker}),
     }
 
 

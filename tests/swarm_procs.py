@@ -225,3 +225,17 @@ def start_three_training(
     outs = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
     wait_for(lambda: all(evals(o) >= 2 for o in outs), 120, "training to be under way")
     return outs
+
+
+def joined_at(path: Path) -> dict | None:
+    """The join record a peer writes for itself once it has the swarm's state (a joiner's, step > 0)."""
+    mine = [r for r in records(path) if r["kind"] == "join"] if path.exists() else []
+    return next((r for r in mine if r["step"] > 0), None)
+
+
+def assert_replayed(tmp_path: Path, options: list[str], theta: str, events: str = "peer0.jsonl") -> None:
+    """``simulate --algo cocodc OPTIONS`` replays a founder's records (rounds, joins) to ``theta``."""
+    replay = ["simulate", "--algo", "cocodc", *options, "--events", events, "--out", "replay.jsonl"]
+    sim = run_cli(replay, tmp_path, timeout=180)
+    assert sim.returncode == 0, sim.stderr
+    assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == theta

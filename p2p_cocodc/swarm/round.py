@@ -2,10 +2,8 @@
 
 No I/O, no clock, no threads: the transport (``swarm/exchange.py``) feeds it events (this peer
 reached the round, a message arrived, the board changed, a computation finished, time passed) with
-the time, and carries out the effects it returns (send a message, run a computation, settle the
-round). The same machine runs on an in-memory network with a fake clock in the model check
-(``tests/test_round_model.py``), which drives it through many schedules of delays, drops,
-duplicates, crashes and disagreeing board views and checks its invariants after every event.
+the time, and carries out the effects it returns (send, compute, settle). The model check
+(``tests/test_round_model.py``) runs it on an in-memory network with a fake clock.
 
 Phases (``docs/swarm.md`` has the full tables and every rule):
 
@@ -125,6 +123,7 @@ class RoundMachine:
         self.wish = 0  # the pace this peer asks for (from Start)
         self.wishes: dict[str, int] = {}  # while leading: joined peer -> the pace it asked for
         self.joined: str | None = None  # the leader we sent JOIN to
+        self.early: dict[tuple[str, Code], Part] = {}  # deliveries that came before our group
         self.claims = GroupClaims(me, self.rank)  # which member lists we may believe, and who lied
         self.closing_since: float | None = None  # the leader's deadline passed: last probes are out
         self.leading_since: float | None = None  # since when this peer takes itself for the leader
@@ -192,9 +191,7 @@ class RoundMachine:
 
     def quiescent(self, now: float) -> bool:
         """Settled, and nothing left to deliver: the transport may keep only its answer."""
-        if not self.settled:
-            return False
-        return not self._undelivered_results(now)
+        return self.settled and not self._undelivered_results(now)
 
     # ---- who is live ----
 
@@ -336,8 +333,12 @@ class RoundMachine:
             return  # larger than our whole vector encoded: never held
         if self.members is None and self.phase == Phase.FORMING:
             self._learn(sender, msg.members, msg.pace, now, out, f"from a delivery of {short(sender)}")
+            leader = self.claims.first(msg.members)
+            if self.members is None and self.claims.names_me(msg.members) and leader in self.claims.joined:
+                self.early[(sender, msg.code)] = msg  # ahead of our leader's GROUP: held until it comes,
+                self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint, self.wish), now)
             if self.members is None:
-                return  # a group it may not adopt (its leader is not ours): never held, never ACKed
+                return  # which a JOIN asks for again now; any other list is never held, never ACKed
         if not self._same_group(msg):
             if self.members is not None:
                 self._send(out, sender, Group(self.round_id, self.members, self.pace), now, expect=False)
@@ -400,9 +401,8 @@ class RoundMachine:
     def _may_drop_out(self, now: float) -> bool:
         """Whether a peer that is leaving may give this round up: it has not reached it, or it
         leads it and has not decided. One that joined a leader may be listed: it finishes."""
-        if self.members is not None or self.gave_round_up:
-            return False
-        return self.phase == Phase.IDLE or (self.phase == Phase.FORMING and self.leader(now) == self.me)
+        leads = self.phase == Phase.FORMING and self.leader(now) == self.me
+        return self.members is None and not self.gave_round_up and (self.phase == Phase.IDLE or leads)
 
     def _give_round_up(self, asker: str, ask: int, now: float, out: list[Effect]) -> None:
         """Asked for the average before reaching the round, with no group and no joiners: promise
@@ -592,6 +592,9 @@ class RoundMachine:
         self.joins = {}
         if self.phase == Phase.FORMING:
             self._enter_group(now, out)
+            for (sender, _), early in sorted(self.early.items()):  # deliveries of this group: taken now
+                self._on_delivery(sender, early, now, out)
+            self.early = {}
 
     def _enter_group(self, now: float, out: list[Effect]) -> None:
         assert self.members is not None and self.vector is not None
@@ -748,8 +751,7 @@ class RoundMachine:
             rec.last_final_ask = rec.asks  # it joined a group after all: ask the others again
 
     def _answered_ask(self, status: Status, ask: int) -> int:
-        """Which FETCH an answer counts for: a WAITING confirms nothing that became final after
-        the FETCH it answers was sent (that peer may have copied the average in between)."""
+        """Which FETCH an answer counts for (a WAITING confirms nothing final after it was sent)."""
         return ask
 
     def _settle(self, outcome: Outcome, now: float, out: list[Effect]) -> None:
