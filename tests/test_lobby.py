@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.peer import lobby
-from p2p_cocodc.peer.lobby import Donors, Join, Mismatch, Seat, Start, Wait, admit
+from p2p_cocodc.peer.lobby import Donors, Join, Left, Mismatch, Seat, Start, Wait, admit
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,14 @@ ERROR_CASES = {
     "shard already taken": (
         {"aaa": R(shard=2), ME: W, "ccc": W},
         seat(shard=2),
-        "--shard 2/4 is already read by peer aaa: give each peer its own shard",
+        "--shard 2/4 is already read by peer aaa, which is waiting for this run: this region's peer is "
+        "probably already running (the same profile started twice); stop this one, or give it another "
+        "--shard",
+    ),
+    "shard read by a leaving peer": (
+        {"aaa": t(5, shard=0), "ccc": R(state="leaving", step=5, shard=2)},
+        seat(shard=2),
+        "--shard 2/4 is already read by peer ccc, which is leaving this run",
     ),
     "too many peers": (
         {"aaa": W, ME: W, "ccc": W, "ddd": W},
@@ -148,7 +155,7 @@ ERROR_CASES = {
     "joiner's --shard taken": (
         {"aaa": t(5, shard=3), ME: W},
         seat(shard=3),
-        "--shard 3/4 is already read by peer aaa",
+        "--shard 3/4 is already read by peer aaa, which is training in this run: this region's peer",
     ),
 }
 
@@ -158,6 +165,97 @@ def test_refused(view: dict[str, R], me: Seat, message: str) -> None:
     moved = {p: replace(r, step=r.step + 1) if r.state == "training" else r for p, r in view.items()}
     with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         watched([view, moved], me)
+
+
+# ---- the same profile started twice: a shard clash ----
+
+CLASH_LINE = (
+    "--shard 0/4 is already read by peer {}, which is {}: this region's peer is probably already "
+    "running (the same profile started twice); stop this one, or give it another --shard (a peer "
+    "stopped a moment ago leaves the board within seconds)"
+)
+
+
+def refused(view: dict[str, R], me: Seat, first: dict[str, int] | None) -> str | None:
+    """The line ``admit`` refuses this peer with; None where it is not refused."""
+    try:
+        admit(view, me, first)
+    except UserError as error:
+        return str(error)
+    return None
+
+
+def test_the_newcomer_is_refused_on_its_first_look_and_the_peer_there_first_waits_on() -> None:
+    for first_peer in ("aaa", "ccc"):  # on the board before the newcomer, bbb, looked: its id before, after
+        board = {first_peer: R(shard=0)}
+        assert refused(board, seat(shard=0), None) == CLASH_LINE.format(first_peer, "waiting for this run")
+        # refused before its record is on the board: the peer that was there first never sees it
+        assert decide(board, seat(peer_id=first_peer, shard=0)) == Wait(
+            "only 1 of --workers 3 peers joined", (first_peer,)
+        )
+    # a training peer is never refused: the waiting one is, on any look
+    training = CLASH_LINE.format("aaa", "training in this run")
+    assert refused({"aaa": t(5, shard=0)}, seat(shard=0), {}) == training
+    assert refused({ME: R(shard=0)}, seat(shard=0), None) is None  # its own identity's stale record
+    assert refused({"aaa": R(shard=0, fingerprint="x"), "ccc": W}, seat(shard=0), None) is None  # a stranger
+
+
+def test_peers_that_missed_each_other_on_their_first_looks_leave_exactly_one() -> None:
+    board = {"aaa": R(shard=0), ME: R(shard=0), "ccc": W}
+    # the one whose id sorts last is refused; the other counts it out of the run and waits on
+    assert refused(board, seat(shard=0), {}) == CLASH_LINE.format("aaa", "waiting for this run")
+    assert decide(board, seat(peer_id="aaa", shard=0)) == Wait(
+        "only 2 of --workers 3 peers joined", ("aaa", "ccc")
+    )
+    # and so does a third peer: the split it starts with leaves the refused one out
+    full = {**board, "ddd": W}
+    assert decide(full, seat(peer_id="ccc")) == Start(1, None, ("aaa", "ccc", "ddd"))
+    assert decide(full, seat(peer_id="aaa", shard=0)) == Start(0, None, ("aaa", "ccc", "ddd"))
+    # a waiting peer clashing with a training one is counted out, sorting first or not
+    assert decide({"aaa": R(shard=0), ME: W, "ccc": t(shard=0)}) == Wait(
+        "only 2 of --workers 3 peers joined", (ME, "ccc")
+    )
+    # a training peer is not in the lobby: never counted out, even beside another on its shard
+    assert decide({"aaa": t(shard=0), ME: W, "ccc": t(shard=0)}) == Start(1, None, ("aaa", ME, "ccc"))
+
+
+def start_twice(order: str) -> set[str]:
+    """Two peers of one profile (--shard 0) in a run of --workers 3: each takes its first look
+    (``l``), then publishes its record (``p``), in ``order`` ("a" is peer aaa's event, "c" peer
+    ccc's: "clal…" means ccc looks first, then aaa); then both look again, twice. The peers refused."""
+    board: dict[str, R] = {}
+    gone: set[str] = set()
+    events = iter(order)
+    for who, event in zip(events, events, strict=True):
+        peer = {"a": "aaa", "c": "ccc"}[who]
+        if peer in gone:
+            continue
+        if event == "p":
+            board[peer] = R(shard=0)
+        elif refused(board, seat(peer_id=peer, shard=0), None) is not None:
+            gone.add(peer)
+    for _ in range(2):  # a refused peer's record stays on the board until it lapses
+        for peer in sorted(set(board) - gone):
+            if refused(board, seat(peer_id=peer, shard=0), {}) is not None:
+                gone.add(peer)
+    return gone
+
+
+@pytest.mark.parametrize(
+    "order, expected",
+    [
+        ("alapclcp", {"ccc"}),  # ccc came after aaa was on the board: ccc
+        ("clcpalap", {"aaa"}),  # aaa came after ccc: aaa, though its id sorts first
+        ("alclapcp", {"ccc"}),  # both looked before either was on the board: the last id
+        ("alclcpap", {"ccc"}),
+        ("clalapcp", {"ccc"}),
+        ("clalcpap", {"ccc"}),
+    ],
+)
+def test_one_profile_started_twice_leaves_exactly_one_peer_and_the_one_there_first(
+    order: str, expected: set[str]
+) -> None:
+    assert start_twice(order) == expected
 
 
 # ---- resuming ----
@@ -280,12 +378,30 @@ def test_no_odd_one_out(view: dict[str, R]) -> None:
 # ---- step 1, donors, steps left ----
 
 
+STARTING_SET = ("aaa", ME, "ccc")
+
+
 def test_started() -> None:
-    assert lobby.started({"aaa": t(), ME: t(), "ccc": W}, SEAT) == Wait("only 2 of 3 peers started")
-    assert lobby.started({"aaa": t(), ME: t(), "ccc": t(), "zzz": t(fingerprint="x")}, SEAT) is None
-    assert lobby.started({"aaa": t(), ME: t(), "ccc": t(key_id="k")}, SEAT) == Wait(
+    started = lobby.started
+    assert started({"aaa": t(), ME: t(), "ccc": W}, SEAT, STARTING_SET) == Wait("only 2 of 3 peers started")
+    assert started({"aaa": t(), ME: t(), "ccc": t(), "zzz": t(fingerprint="x")}, SEAT, STARTING_SET) is None
+    assert started({"aaa": t(), ME: t(), "ccc": t(key_id="k")}, SEAT, STARTING_SET) == Wait(
         "only 2 of 3 peers started"
     )
+
+
+@pytest.mark.parametrize(
+    "ccc",
+    [None, R(state="done"), R(state="leaving")],
+    ids=["record gone", "done", "leaving"],
+)
+def test_a_peer_of_the_starting_set_that_left_sends_the_others_back_to_the_lobby(ccc: R | None) -> None:
+    view = {"aaa": t(), ME: t(), **({"ccc": ccc} if ccc is not None else {})}
+    assert lobby.started(view, SEAT, STARTING_SET) == Left(("ccc",))
+    # still there, though not training yet: wait for it; this peer's own record never counts as gone
+    assert lobby.started({"aaa": t(), "ccc": W}, SEAT, STARTING_SET) == Wait("only 1 of 3 peers started")
+    # --workers training (one came in its place): the run starts
+    assert lobby.started({**view, "ddd": t()}, SEAT, STARTING_SET) is None
 
 
 DONOR_VIEW = {

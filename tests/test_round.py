@@ -287,9 +287,10 @@ def test_a_crashed_member_is_given_up_when_it_leaves_the_board_not_at_the_deadli
 
 
 def test_a_restarted_member_answers_its_old_rounds_failed_at_once() -> None:
-    """C crashes mid-round and is started again with the same identity: its new machine, listed in a
-    group it never joined (its earlier process did), settles failed and says so, and the survivors
-    fail the round at once instead of waiting on a member that is "still in the round"."""
+    """C crashes mid-round and is started again with the same identity: its new machine, asked for
+    the average of a round it never reached (its earlier process was in the group), promises to stay
+    out of it, and the survivors fail the round at once instead of waiting on a member that is
+    "still in the round". When C's new process reaches the round, it recovers and fails it too."""
     net = Net({A: [B, C], B: [A, C], C: [A, B]})
     net.drop = lambda sender, to, message: C in (sender, to) and message.code in (Code.PART, Code.RESULT)
     for peer in (A, B, C):
@@ -299,8 +300,12 @@ def test_a_restarted_member_answers_its_old_rounds_failed_at_once() -> None:
     net.machines[C] = RoundMachine(C, ROUND, 2, "fp", net.codec, DL, {A: BoardPeer(STEP, 0.01)}, net.now)
     net.drop = lambda sender, to, message: False
     net.run(30, net.settled(A, B))
-    assert all(isinstance(net.outcomes[p], Failed) for p in (A, B, C))
+    assert all(isinstance(net.outcomes[p], Failed) for p in (A, B))
     assert max(net.settled_at[p] for p in (A, B)) < 2 + DL.answer_s  # not after C's silence
+    assert net.machines[C].gave_round_up and C not in net.outcomes
+    net.start(C, full(3.0))
+    net.run(30, net.settled(C))
+    assert isinstance(net.outcomes[C], Failed)
 
 
 def test_a_member_list_that_puts_this_peer_first_and_that_it_never_decided_is_refused() -> None:

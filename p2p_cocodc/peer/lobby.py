@@ -24,7 +24,14 @@ fetches; this module only decides (like torchft's lighthouse ``quorum_compute``)
   range(--workers) in peer-id order, so every peer computes the same split from the same board. A
   shard another peer of the run reads (a finished one reads none) is an error. When any of them
   resumes, all must, and the swarm goes on from the newest step all of them hold: the smallest.
-* **Started.** Step 1 begins only once --workers peers of the run show "training".
+* **Clash.** A shard is read by one peer: of the live peers of the run reading one shard, a training
+  peer keeps it, else the first in id order, and every waiting one besides is refused (the others
+  count it out of the run). Except on a peer's first look at the board, taken before its own record
+  is on it: a live peer found there reading its --shard came first, so this one is refused, and no
+  other peer ever sees the clash. Two peers that missed each other on their first looks (started at
+  the same moment) see the clash later, both, and only the one whose id sorts last is refused.
+* **Started.** Step 1 begins only once --workers peers of the run show "training". A peer of the
+  starting set that leaves before (its record gone, done or leaving) sends the others back to the lobby.
 * **Ended.** When every other peer of the run on the board is done (a done record stays for the
   longest lifetime a record has, 2 minutes), the run ended before this peer came: it stops with one
   line (finished: a new --run-id; stopped early: --resume), unless it resumes the run itself.
@@ -135,11 +142,13 @@ def same_run(record: Record, seat: Seat) -> bool:
     return record.fingerprint == seat.fingerprint and record.key_id == seat.key_id
 
 
-def admit(view: View, seat: Seat, first_steps: Mapping[str, int]) -> tuple[Admission, dict[str, int]]:
-    """One look at the board: start, join, wait, or the options that differ to fetch. ``first_steps``
-    (peer -> the step its record showed when first read here) goes in empty and comes back updated,
-    to be passed to the next call."""
-    first = dict(first_steps)
+def admit(view: View, seat: Seat, first_steps: Mapping[str, int] | None) -> tuple[Admission, dict[str, int]]:
+    """One look at the board: start, join, wait, or the options that differ to fetch; UserError for
+    a peer refused (a shard clash, a run ended, ...). ``first_steps`` (peer -> the step its record
+    showed when first read here) is None on this peer's first look, taken before its own record is
+    on the board (a shard clash found then refuses it: ``refused_for_shards``), and comes back
+    updated, to be passed to the next call."""
+    first = dict(first_steps or {})
     same = {p: r for p, r in view.items() if same_run(r, seat)}
     odd = odd_one_out(view, seat)
     if odd is not None:
@@ -152,6 +161,8 @@ def admit(view: View, seat: Seat, first_steps: Mapping[str, int]) -> tuple[Admis
         dead = {p for p, r in training.items() if r.step > 0 > r.resume_step and p not in moving}
         same = {p: r for p, r in same.items() if p not in dead}
         training = {p: r for p, r in training.items() if p not in dead}
+    refused = refused_for_shards(same, seat, first_look=first_steps is None)  # about to exit: not of the run
+    same = {p: r for p, r in same.items() if p not in refused}
     past_start = any(r.step > max(r.resume_step, 0) for r in training.values())
     if len(training) >= seat.workers or past_start:
         if not moving:  # under way, or the records of a dead swarm: which one shows within a lifetime
@@ -231,6 +242,50 @@ def mismatch_error(seat: Seat, peer: str, options: dict[str, Any], run_infos: Ma
     )
 
 
+DOING = {  # what a peer whose record says this state is doing, in the shard clash's line
+    "waiting": "waiting for this run",
+    "joining": "joining this run",
+    "training": "training in this run",
+    "leaving": "leaving this run",
+}
+
+
+def shard_clash(seat: Seat, peer: str, record: Record) -> UserError:
+    """The one line for a peer whose own --shard (or checkpoint's shard) ``peer`` already reads."""
+    return UserError(
+        f"--shard {seat.shard}/{seat.data_shards} is already read by peer {peer[:12]}, which is "
+        f"{DOING.get(record.state, record.state)}: this region's peer is probably already running (the "
+        "same profile started twice); stop this one, or give it another --shard (a peer stopped a "
+        "moment ago leaves the board within seconds)"
+    )
+
+
+def refused_for_shards(same: View, seat: Seat, first_look: bool) -> set[str]:
+    """The waiting peers of the run that a shard clash refuses (the **Clash** rule): of the live
+    peers reading one shard, a training one keeps it, else the first in id order, this peer last on
+    its ``first_look``. UserError when this peer is refused; else the others refused, to count out."""
+    readers = {p: r.shard for p, r in same.items() if r.state in LIVE and r.shard is not None}
+    readers.pop(seat.peer_id, None)  # our record may be a stale one of this identity's last process
+    if seat.shard is not None:
+        readers[seat.peer_id] = seat.shard
+
+    def precedence(p: str) -> tuple[bool, bool, str]:
+        training = p != seat.peer_id and same[p].state == "training"
+        return not training, first_look and p == seat.peer_id, p
+
+    keeper: dict[int, str] = {}
+    refused = set()
+    for p in sorted(readers, key=precedence):
+        if readers[p] not in keeper:
+            keeper[readers[p]] = p
+        elif p == seat.peer_id:
+            kept = keeper[readers[p]]
+            raise shard_clash(seat, kept, same[kept])
+        elif same[p].state == "waiting":  # a training peer is not in the lobby: it is not refused
+            refused.add(p)
+    return refused
+
+
 def shards_taken(records: View, seat: Seat) -> dict[int, str]:
     """The data shards other peers of the run read (shard -> peer; finished peers read none);
     UserError if this peer's own --shard (or checkpoint's shard) is among them."""
@@ -240,10 +295,7 @@ def shards_taken(records: View, seat: Seat) -> dict[int, str]:
         if r.shard is not None and p != seat.peer_id and r.state != "done"
     }
     if seat.shard in taken:
-        raise UserError(
-            f"--shard {seat.shard}/{seat.data_shards} is already read by peer {taken[seat.shard][:12]}: "
-            "give each peer its own shard"
-        )
+        raise shard_clash(seat, taken[seat.shard], records[taken[seat.shard]])
     return taken
 
 
@@ -291,11 +343,24 @@ def resume_from(live: Sequence[str], records: View, seat: Seat) -> int:
     return min(records[p].resume_step for p in live)
 
 
-def started(view: View, seat: Seat) -> Wait | None:
-    """None once --workers peers of the run show 'training' (then all agree on each round's leader)."""
+@dataclass(frozen=True)
+class Left:
+    """Peers of the starting set left before the run started: go back to the lobby (wait for peers,
+    decide start and shard again)."""
+
+    peers: tuple[str, ...]
+
+
+def started(view: View, seat: Seat, live: Collection[str]) -> Wait | Left | None:
+    """None once --workers peers of the run show 'training' (then all agree on each round's leader);
+    until then, ``Left`` naming the peers of ``live`` (``Start.live``) whose record is gone from the
+    board or says done or leaving, else a wait."""
     training = [r for r in view.values() if same_run(r, seat) and r.state == "training"]
     if len(training) >= seat.workers:
         return None
+    left = [p for p in live if p != seat.peer_id and (p not in view or view[p].state in ("done", "leaving"))]
+    if left:
+        return Left(tuple(sorted(left)))
     return Wait(f"only {len(training)} of {seat.workers} peers started")
 
 

@@ -70,7 +70,8 @@ class Lifecycle(enum.StrEnum):
 TRANSITIONS: dict[Lifecycle, frozenset[Lifecycle]] = {
     Lifecycle.WAITING: frozenset({Lifecycle.TRAINING, Lifecycle.JOINING}),
     Lifecycle.JOINING: frozenset({Lifecycle.TRAINING, Lifecycle.JOINING, Lifecycle.LEAVING}),
-    Lifecycle.TRAINING: frozenset({Lifecycle.JOINING, Lifecycle.LEAVING, Lifecycle.DONE}),
+    # back to WAITING: a peer of the starting set left before step 1 (``lobby.Left``)
+    Lifecycle.TRAINING: frozenset({Lifecycle.WAITING, Lifecycle.JOINING, Lifecycle.LEAVING, Lifecycle.DONE}),
     # a signal arrives while a sync that decides it must take the state again is settled
     Lifecycle.LEAVING: frozenset({Lifecycle.JOINING, Lifecycle.TRAINING, Lifecycle.DONE}),
     Lifecycle.DONE: frozenset(),
@@ -185,9 +186,10 @@ class Peer:
         if state not in TRANSITIONS[self.lifecycle]:
             raise RuntimeError(f"a peer cannot go from {self.lifecycle.value} to {state.value}")
         self.lifecycle = state
-        if self.exchange is not None and state in (Lifecycle.JOINING, Lifecycle.TRAINING):
-            self.exchange.set_joining(state is Lifecycle.JOINING)  # no round counts on a joiner
-        if self.state_server is not None and state in (Lifecycle.JOINING, Lifecycle.TRAINING):
+        before_training = (Lifecycle.WAITING, Lifecycle.JOINING, Lifecycle.TRAINING)
+        if self.exchange is not None and state in before_training:
+            self.exchange.set_joining(state is not Lifecycle.TRAINING)  # no round counts on a joiner
+        if self.state_server is not None and state in before_training:
             self.state_server.serving = state is Lifecycle.TRAINING  # a joiner's state is behind
 
     async def _become(self, state: Lifecycle, last: bool = False) -> None:
@@ -263,9 +265,10 @@ class Peer:
             on_lapse=lambda: self._move(Lifecycle.JOINING),  # the next beat must not say "training"
             can_rejoin=self.replica.strategy.takes_state,
         )
+        first = await self._first_look(presence)
         await presence.first_refresh(self.membership.key_id)
         presence.start()
-        under_way = await self._wait_for_peers(stop, board)
+        admitted = await self._wait_for_peers(stop, board, first)
         replica = self.replica
         self.exchange = FragmentExchange(
             p2p,
@@ -282,7 +285,7 @@ class Peer:
             max_frame=replica.max_message_bytes(),
             aggregation=self.cfg.aggregation(),
         )
-        self.exchange.set_joining(under_way)
+        self.exchange.set_joining(isinstance(admitted, lobby.Join))
         await self.exchange.start()
         if replica.strategy.takes_state:
             self.state_server = StateServer(
@@ -295,13 +298,21 @@ class Peer:
             )
             await self.state_server.start()
         replica.attach(self.exchange, self.state_server, presence, stop, self._take_state, self._sample)
-        if under_way:
-            await self._take_state()
-        else:
+        while isinstance(admitted, lobby.Start):
             await self._become(Lifecycle.TRAINING)
             self._record_join(self.peer_id, replica.joined_at)
-            await self._wait_for_start(stop)
-            replica.rerun_in_flight()
+            left = await self._wait_for_start(stop, admitted.live)
+            if left is None:
+                replica.rerun_in_flight()
+                break
+            log.warning(
+                "%s left the starting set before step 1: waiting for peers again",
+                ", ".join(f"peer {presence.name_of(p)}" for p in left.peers),  # its region, else its id
+            )
+            await self._become(Lifecycle.WAITING)
+            admitted = await self._wait_for_peers(stop, board, {})
+        if isinstance(admitted, lobby.Join):
+            await self._take_state()
         leave = asyncio.create_task(self._leave_when(stop))
         presence.watch()
         try:
@@ -411,12 +422,26 @@ class Peer:
 
     # ---- the lobby: start, join, resume ----
 
-    async def _wait_for_peers(self, stop: asyncio.Event, board: Board) -> bool:
-        """Block until this peer can train, and settle its data shard: True when the run is under
-        way (it joins it), False once --workers peers of this run are live (it starts with them)."""
+    async def _first_look(self, presence: Presence) -> dict[str, int]:
+        """The board before this peer's record is on it (``lobby.admit``'s first look): a peer there
+        reading its --shard came first, and this one is refused before anyone sees it. Only refusals
+        count here (a start or join is decided once this peer is on the board). A read that fails
+        leaves the view empty: a clash is then seen on later looks, and settled by id. Returns the
+        steps first seen, for ``_wait_for_peers``."""
+        try:
+            await presence.refresh(publish=False)
+        except ConnectionError as exc:
+            log.info("first board read failed (%s)", exc)
+        return lobby.admit(presence.view, self._seat(), None)[1]
+
+    async def _wait_for_peers(
+        self, stop: asyncio.Event, board: Board, first: dict[str, int]
+    ) -> lobby.Start | lobby.Join:
+        """Block until this peer can train, and settle its data shard: ``Join`` when the run is under
+        way, ``Start`` once --workers peers of this run are live (it starts with them). ``first``: peer
+        -> the step its record showed when first read here, from the earlier looks."""
         assert self.presence is not None
         deadline = time.monotonic() + self.opts.wait_peers_s
-        first: dict[str, int] = {}  # peer -> the step its record showed when first read here
         while True:
             decision, first = lobby.admit(self.presence.view, self._seat(), first)
             if isinstance(decision, lobby.Mismatch):
@@ -431,7 +456,7 @@ class Peer:
                     )
                     self.resume = None
                 self.replica.shard_index = decision.shard
-                return True
+                return decision
             if decision.live is not None:
                 here = sorted(self.presence.name_of(p) for p in decision.live if p != self.peer_id)
                 self.progress.waiting([self.name, *here], self.cfg.workers)
@@ -439,7 +464,7 @@ class Peer:
                 self.replica.shard_index = decision.shard
                 if decision.resume_step is not None:
                     self._resume_at(decision.resume_step)
-                return False
+                return decision
             self._check_wait(stop, deadline, decision.reason)
             await asyncio.sleep(0.2)
 
@@ -457,13 +482,17 @@ class Peer:
         self.resume.restore(self.replica.load_state)
         log.warning("resuming the run after step %d from %s", self.step, self.resume.path)
 
-    async def _wait_for_start(self, stop: asyncio.Event) -> None:
-        """Start step 1 only once every peer shows 'training': then all agree on each round's leader."""
+    async def _wait_for_start(self, stop: asyncio.Event, live: tuple[str, ...]) -> lobby.Left | None:
+        """Start step 1 only once every peer shows 'training': then all agree on each round's leader.
+        ``Left`` (back to the lobby) when a peer of ``live``, the starting set, left before."""
         assert self.presence is not None
         deadline = time.monotonic() + self.opts.wait_peers_s
-        while (waiting := lobby.started(self.presence.view, self._seat())) is not None:
+        while (waiting := lobby.started(self.presence.view, self._seat(), live)) is not None:
+            if isinstance(waiting, lobby.Left):
+                return waiting
             self._check_wait(stop, deadline, waiting.reason)
             await asyncio.sleep(0.2)
+        return None
 
     def _on_signal(self, sig: signal.Signals, stop: asyncio.Event) -> None:
         """SIGINT or SIGTERM: the peer stops, and exits with 128 + the first signal's number."""

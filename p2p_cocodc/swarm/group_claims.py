@@ -10,8 +10,7 @@ senders), never for a list it relays, which is its source's word, not its own:
 - **a listing never asked for**: a GROUP that names this peer, from its own first member, while
   this peer never sent that member a JOIN in this round (a leader lists only peers that joined it).
   A process that gave the round up before reaching it (it was taking the swarm's state, or came
-  back after a crash) may have had an earlier process join: that listing is believed, and blamed
-  on no one;
+  back after a crash) may have had an earlier process join: that listing is blamed on no one;
 - **two groups**: a sender that is first in line in two different groups (member list and pace)
   of the round.
 

@@ -576,10 +576,6 @@ class RoundMachine:
         ``GroupClaims.may_adopt`` allows; never while IDLE (no capture of a round not reached)."""
         if self.phase == Phase.FORMING and self.claims.may_adopt(sender, members):
             self._adopt(members, pace, now, out, how)
-        elif self.phase == Phase.IDLE and self.gave_round_up and self.claims.names_me(members):
-            # listed, yet this process gave the round up before reaching it: an earlier process with
-            # our identity (crashed, restarted) joined, and its part of the round is lost with it
-            self._settle(Failed("listed in a group an earlier process of this peer joined"), now, out)
 
     def _adopt(self, members: Members, pace: int, now: float, out: list[Effect], how: str) -> None:
         """The first group this peer learns is its group of the round, for good."""
