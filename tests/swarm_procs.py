@@ -197,15 +197,16 @@ def evals(path: Path) -> int:
     return sum(r["kind"] == "eval" for r in records(path)) if path.exists() else 0
 
 
+def run_peers(boot_status: str, run_id: str) -> dict:
+    """The peers of ``run_id`` on the bootstrap's /status (peer id -> what it shows of the peer)."""
+    with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
+        return json.load(reply)["runs"].get(run_id, {}).get("peers") or {}
+
+
 def round_leader_shard(boot_status: str, run_id: str) -> int:
     """The shard of the peer with the smallest id on the bootstrap's /status (it leads about a third
     of the rounds: the line is a hash of round and id), once /status lists the run."""
-
-    def peers() -> dict | None:
-        with urllib.request.urlopen(f"http://{boot_status}/status", timeout=10) as reply:
-            return json.load(reply)["runs"].get(run_id, {}).get("peers")
-
-    found = wait_for(peers, 30, f"run {run_id} on the bootstrap's /status")
+    found = wait_for(lambda: run_peers(boot_status, run_id), 30, f"run {run_id} on the bootstrap's /status")
     return found[min(found)]["shard"]
 
 

