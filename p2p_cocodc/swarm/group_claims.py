@@ -6,7 +6,8 @@ itself, so a member list is a claim made by its first member. A peer checks each
 against what it did itself; a sender is blamed only for what it said directly (libp2p authenticates
 senders), never for a list it relays, which is its source's word, not its own:
 
-- **forged lead**: a list that puts this peer first, which it never decided;
+- **forged lead**: a list that puts this peer first, which it never decided, with the sender in it
+  (an honest member holds a list naming itself only on its leader's word: this peer's);
 - **a listing never asked for**: a GROUP that names this peer, from its own first member, while
   this peer never sent that member a JOIN in this round (a leader lists only peers that joined it).
   A process that gave the round up before reaching it (it was taking the swarm's state, or came
@@ -14,8 +15,9 @@ senders), never for a list it relays, which is its source's word, not its own:
 - **two groups**: a sender that is first in line in two different groups (member list and pace)
   of the round.
 
-A list that names this peer is adopted only from a leader this process joined, and only once the
-peer has reached the round (``RoundMachine`` never adopts while IDLE): a member cannot hand a peer
+A list that names this peer is adopted only on the word of a leader this process joined (its
+GROUP, or a delivery it sent; a member's delivery that comes first is held until then), and only
+once the peer has reached the round (``RoundMachine`` never adopts while IDLE): a member cannot hand a peer
 a private group for the round at hand, and no one can capture a round the peer has not reached.
 A list that does not name this peer may still be adopted while forming (this peer then recovers
 and asks for the average: a group it is not in must never meet a second one).
