@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from html.parser import HTMLParser
 from pathlib import Path
@@ -252,7 +253,13 @@ def test_status_on_a_terminal_refreshes_until_ctrl_c(watched: Watched) -> None:
             if select.select([leader], [], [], 1)[0]:
                 seen += os.read(leader, 65536)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        # keep reading: a child whose last redraw fills the terminal's buffer blocks until it is read
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.2)[0]:
+                with suppress(OSError):  # EIO once the child has closed its end
+                    seen += os.read(leader, 65536)
+        assert proc.wait(timeout=1) == 0
     finally:
         if proc.poll() is None:
             end_group(proc)
