@@ -85,7 +85,7 @@ def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
         groups = {g for g in map(group_of, descendants(demo.pid)) if g is not None} - {demo.pid}
         demo.send_signal(signal.SIGINT)  # what Ctrl-C sends; the children, in their own groups, get nothing
         # the demo gives its children TERM_GRACE_S, SIGKILLs the stragglers, then waits on strays
-        _, err = demo.communicate(timeout=60)
+        _, err = demo.communicate(timeout=120)
     finally:
         end_group(demo)
     assert demo.returncode == 130, err[-3000:]

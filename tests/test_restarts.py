@@ -11,8 +11,10 @@ import urllib.request
 from pathlib import Path
 
 from tests.swarm_procs import (
+    assert_replayed,
     end_group,
     evals,
+    joined_at,
     records,
     round_leader_shard,
     run_cli,
@@ -135,3 +137,50 @@ def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_
     # they waited for the frozen leader until its record lapsed from their boards (a lifetime, 8 s),
     # and on a round under way until it had been silent for answer_s (16 s), for at most two rounds
     assert all(s["stall_s"] < 2 * (8 + 16) for s in summaries), [s["stall_s"] for s in summaries]
+
+
+COMEBACK_STEPS = 384  # the founders must still train when the crashed peer is back (~15 s after)
+
+
+def test_a_crashed_peer_comes_back_on_its_shard_and_ends_with_the_swarms_model(tmp_path: Path) -> None:
+    """A founder that is not leading is killed (SIGKILL, a crash) and started again with the same
+    command, --identity and --resume: its checkpoint is behind the swarm, so it rejoins like a
+    joiner, on its old data shard. Every peer ends with one θ̄, and the simulator replays a
+    founder's records (rounds and the rejoin) to the same θ̄."""
+    boot = start_bootstrap(tmp_path)
+    common = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", str(COMEBACK_STEPS)]
+    common += ["--pace", "fixed", "--run-id", "comeback", "--verbose"]
+
+    def start(name: str, shard: int, *extra: str) -> subprocess.Popen:
+        args = [*common, "--identity", f"peer{shard}.id", "--shard", f"{shard}/3", "--out", f"{name}.jsonl"]
+        args += ["--checkpoint-dir", f"ck{shard}", "--checkpoint-every", "16", *extra]
+        return spawn(args, tmp_path, f"{name}.log")
+
+    peers = {f"peer{i}": start(f"peer{i}", i) for i in range(3)}
+    try:
+        saved = [tmp_path / f"ck{i}" for i in range(3)]
+        wait_for(lambda: all(any(ck.glob("step-*.json")) for ck in saved), 120, "a checkpoint on every peer")
+        leader = round_leader_shard(boot.host_port, "comeback")
+        victim = next(i for i in range(3) if i != leader)
+        sigkill_like_a_crash(peers[f"peer{victim}"].pid)
+        peers["again"] = start("again", victim, "--resume")
+        wait_for(lambda: joined_at(tmp_path / "again.jsonl"), 120, "the restarted peer to take the state")
+        finishers = [name for name in peers if name != f"peer{victim}"]
+        for name in finishers:
+            assert peers[name].wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for proc in [*peers.values(), boot.proc]:
+            end_group(proc)
+
+    assert "not its checkpoint of step" in (tmp_path / "again.log").read_text()
+    summaries = {name: records(tmp_path / f"{name}.jsonl")[-1] for name in finishers}
+    logs = "\n".join((tmp_path / f"{name}.log").read_text()[-4000:] for name in finishers)
+    hashes = {name: s["global_params_sha256"] for name, s in summaries.items()}
+    assert len(set(hashes.values())) == 1, (hashes, logs)
+    assert all(s["kind"] == "summary" and s["steps"] == COMEBACK_STEPS for s in summaries.values())
+    assert summaries["again"]["joined_at"] > 0 and summaries["again"]["shard"] == victim  # its old shard
+    # it took part in rounds again: its shard is among the members of the last rounds
+    first = next(f"peer{i}" for i in range(3) if i != victim)
+    members = [r["members"] for r in records(tmp_path / f"{first}.jsonl") if r["kind"] == "round"]
+    assert any(victim in m for m in members[-4:]), members
+    assert_replayed(tmp_path, [*TINY, "--steps", str(COMEBACK_STEPS)], hashes[first], f"{first}.jsonl")

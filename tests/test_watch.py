@@ -162,7 +162,7 @@ def publish(nodes: list[Any], records: dict[str, PeerRecord]) -> None:
     async def main() -> None:
         for dht in nodes:
             me = dht.peer_id.to_base58()  # a record's subkey is its writer's id
-            await Board(dht, RUN, me, ttl_s=30).publish(records[me], {"algo": "cocodc", "model": "micro"})
+            await Board(dht, RUN, me, ttl_s=120).publish(records[me], {"algo": "cocodc", "model": "micro"})
 
     asyncio.run(main())
 
@@ -254,7 +254,7 @@ def test_status_on_a_terminal_refreshes_until_ctrl_c(watched: Watched) -> None:
                 seen += os.read(leader, 65536)
         proc.send_signal(signal.SIGINT)
         # keep reading: a child whose last redraw fills the terminal's buffer blocks until it is read
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:
             if select.select([leader], [], [], 0.2)[0]:
                 with suppress(OSError):  # EIO once the child has closed its end
