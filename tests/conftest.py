@@ -3,6 +3,7 @@
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 
 import torch
@@ -17,3 +18,9 @@ torch.set_num_threads(1)
 _STATE = tempfile.mkdtemp(prefix="p2p-cocodc-tests-state-")
 os.environ["XDG_STATE_HOME"] = _STATE
 atexit.register(shutil.rmtree, _STATE, ignore_errors=True)
+
+# A suite started in the background by a non-interactive shell (``.ci/run &``) inherits SIGINT
+# ignored, and so would every process it starts: the tests that press Ctrl-C on a peer, the demo or
+# `status` would find it deaf. Their processes get the default disposition, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
