@@ -333,12 +333,12 @@ class RoundMachine:
             return  # larger than our whole vector encoded: never held
         if self.members is None and self.phase == Phase.FORMING:
             self._learn(sender, msg.members, msg.pace, now, out, f"from a delivery of {short(sender)}")
-            leader = self.claims.first(msg.members)
-            if self.members is None and self.claims.names_me(msg.members) and leader in self.claims.joined:
-                self.early[(sender, msg.code)] = msg  # ahead of our leader's GROUP: held until it comes,
-                self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint, self.wish), now)
             if self.members is None:
-                return  # which a JOIN asks for again now; any other list is never held, never ACKed
+                leader = self.claims.first(msg.members)
+                if self.claims.names_me(msg.members) and leader in self.claims.joined:
+                    self.early[(sender, msg.code)] = msg  # ahead of our leader's GROUP: held until it
+                    self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint, self.wish), now)
+                return  # comes, which a JOIN asks for again now; any other list is never held or ACKed
         if not self._same_group(msg):
             if self.members is not None:
                 self._send(out, sender, Group(self.round_id, self.members, self.pace), now, expect=False)
