@@ -58,9 +58,9 @@ def simulate(cfg: TrainConfig, factor: float) -> dict:
 
     similarity = aggregation_module.similarity
 
-    def attacked(vectors, codec, aggregation):
+    def attacked(vectors, codec, aggregation, *records):
         vectors = [*vectors[:-1], vectors[-1] * factor]
-        return butterfly_mean(vectors, codec, aggregation)
+        return butterfly_mean(vectors, codec, aggregation, *records)
 
     def recorded(values):
         found = similarity(values)

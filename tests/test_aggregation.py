@@ -10,8 +10,17 @@ from dataclasses import replace
 import pytest
 import torch
 
+import p2p_cocodc.algorithms.aggregation as aggregation_module
 import p2p_cocodc.run.simulator
-from p2p_cocodc.algorithms.aggregation import Aggregation, aggregate, combine, screen, similarity
+from p2p_cocodc.algorithms.aggregation import (
+    Aggregation,
+    CosineRecord,
+    aggregate,
+    combine,
+    mean_cosine,
+    screen,
+    similarity,
+)
 from p2p_cocodc.algorithms.butterfly import butterfly_mean, reduce_slice, slice_bounds
 from p2p_cocodc.algorithms.codecs import CODECS, mean_in_order
 from p2p_cocodc.config.train import TrainConfig, coerce
@@ -24,6 +33,18 @@ from tests.test_algorithms import SMALL
 RULES = [Aggregation(rule=rule) for rule in AGGREGATES]
 # the test config of test_algorithms (nano model), with 4 workers so slices have 4 members
 SIM = replace(SMALL, workers=4, fragments=2, threads=1)
+# the real-process tests' runs (tests/tiny_options.py), with the defaults they leave alone
+TINY_RUN = {
+    "model": "nano",
+    "tokenizer": "byte",
+    "seq_len": 32,
+    "batch_size": 4,
+    "inner_steps": 8,
+    "fragments": 2,
+    "overlap": 2,
+    "eval_batches": 2,
+    "threads": 1,
+}
 
 
 def t(*values: float) -> torch.Tensor:
@@ -87,15 +108,15 @@ def test_a_scaled_or_flipped_member_is_left_out(members: int, attack: str, aggre
     bad = 1
     factor = {"x10": 10.0, "sign": -1.0, "x100-sign": -100.0}[attack]
     attacked = [v * factor if i == bad else v for i, v in enumerate(values)]
-    result, excluded = aggregate(attacked, aggregation)
-    assert excluded == (bad,)
+    result, screening = aggregate(attacked, aggregation)
+    assert screening.excluded == (bad,) and screening.cosines == tuple(similarity(attacked)[1])
     assert torch.equal(result, combine([v for i, v in enumerate(values) if i != bad], aggregation))
     # the same through the owner's encoded slice
     codec = CODECS["int8"]
     encoded = [codec.encode(v) for v in attacked]
-    data, excluded = reduce_slice(encoded, 3000, codec, aggregation)
+    data, screening = reduce_slice(encoded, 3000, codec, aggregation)
     kept = [codec.decode(e, 3000) for i, e in enumerate(encoded) if i != bad]
-    assert excluded == (bad,) and data == codec.encode(combine(kept, aggregation))
+    assert screening.excluded == (bad,) and data == codec.encode(combine(kept, aggregation))
 
 
 def test_the_butterfly_reports_who_was_left_out_of_any_slice() -> None:
@@ -113,10 +134,10 @@ def test_below_three_members_or_with_screening_off_nobody_is_left_out() -> None:
     a, b = honest(2)
     for aggregation in RULES:
         for values in ([a, b * 100], [a, -b], [a * 100]):
-            result, excluded = aggregate(values, aggregation)
-            assert excluded == () and torch.equal(result, mean_in_order(values))
+            result, screening = aggregate(values, aggregation)
+            assert screening == ((), ()) and torch.equal(result, mean_in_order(values))
     attacked = [*honest(4), -100 * b]
-    assert screen(attacked) == (4,) and screen(attacked, Aggregation(screening=False)) == ()
+    assert screen(attacked).excluded == (4,) and screen(attacked, Aggregation(screening=False)) == ((), ())
 
 
 def test_at_most_a_minority_is_left_out_worst_first() -> None:
@@ -126,30 +147,78 @@ def test_at_most_a_minority_is_left_out_worst_first() -> None:
     tight = Aggregation(outlier_norm=1.5)
     values = [h, h, 20 * h, 10 * h]
     assert similarity(values)[1] == pytest.approx([1.0] * 4)
-    assert screen(values, tight) == (2,)
+    assert screen(values, tight).excluded == (2,)
     # five members all below a cosine of 0.999: the two with the lowest cosines go
     five = honest(5)
     cosines = similarity(five)[1]
     assert max(cosines) < 0.999
-    assert screen(five, Aggregation(outlier_cosine=0.999)) == tuple(
+    assert screen(five, Aggregation(outlier_cosine=0.999)).excluded == tuple(
         sorted(sorted(range(5), key=cosines.__getitem__)[:2])
     )
     # equal badness: the lower index goes first (e1 and e2 have cosine 1/√2 to the median)
     e1, e2 = t(1, 0), t(0, 1)
     tied = [e1, e1, e2, e2]
     assert similarity(tied)[1] == pytest.approx([2**-0.5] * 4)
-    assert screen(tied, Aggregation(outlier_cosine=0.8)) == (0,)
-    assert screen([e1, e2, e1, e2, e1 + e2], Aggregation(outlier_cosine=0.8)) == (0, 1)
+    assert screen(tied, Aggregation(outlier_cosine=0.8)).excluded == (0,)
+    assert screen([e1, e2, e1, e2, e1 + e2], Aggregation(outlier_cosine=0.8)).excluded == (0, 1)
 
 
 def test_zero_and_empty_slices_are_nobody_s_outliers() -> None:
     h = honest(1)[0]
     for values in ([torch.zeros(64)] * 3, [torch.zeros(0)] * 4, [h, torch.zeros_like(h), h]):
         for aggregation in RULES:
-            result, excluded = aggregate(values, aggregation)
-            assert excluded == () and result.shape == values[0].shape
+            result, screening = aggregate(values, aggregation)
+            assert screening.excluded == () and result.shape == values[0].shape
     # more than half zero: the median norm is 0, so any non-zero member is an outlier
-    assert screen([torch.zeros_like(h), h, torch.zeros_like(h)]) == (1,)
+    assert screen([torch.zeros_like(h), h, torch.zeros_like(h)]).excluded == (1,)
+
+
+# ---- the cosine test's memory: a member's recent direction, not one slice ----
+
+
+def test_a_member_is_judged_by_its_recent_direction_at_this_owner() -> None:
+    values = honest(4, seed=7)
+    against = [*values[:3], -values[3]]  # member 3 points against the group in this slice
+    alone = screen(against)
+    assert alone.cosines[3] < 0 and alone.excluded == (3,)  # new to this owner: this slice alone
+    members = ["a", "b", "c", "d"]
+    window = Aggregation(outlier_window=4)
+    record = CosineRecord(window.outlier_window)
+    for _ in range(3):
+        record.add(members, screen(values, window, record.earlier(members)).cosines)
+    assert record.earlier(members)[3] == tuple(similarity(values)[1][3] for _ in range(3))
+    # one slice against the group is outvoted by the member's three slices with it ...
+    history = list(record.earlier(members)[3])
+    flips = 0
+    while True:
+        screening = screen(against, window, record.earlier(members))
+        history.append(screening.cosines[3])
+        flips += 1
+        expected = mean_cosine(history, window.outlier_window) < window.outlier_cosine
+        assert screening.excluded == ((3,) if expected else ())
+        if screening.excluded:
+            break
+        record.add(members, screening.cosines)
+    # ... but a member that keeps pointing against it is left out within the window
+    assert 2 <= flips <= 3
+    # W = 1 is the per-slice test: out at once, whatever its record
+    assert screen(against, Aggregation(outlier_window=1), record.earlier(members)).excluded == (3,)
+
+
+def test_a_cosine_record_is_bounded_and_survives_a_checkpoint() -> None:
+    record = CosineRecord(window=3, members=2)
+    for c in (0.1, 0.2, 0.3, 0.4):
+        record.add(["a", 7], [c, -c])
+    assert record.earlier(["a", 7, "new"]) == ((0.3, 0.4), (-0.3, -0.4), ())  # the window's W − 1
+    record.add(["b"], [0.5])  # a third member: the least recently judged ("a") is forgotten
+    assert record.earlier(["a", 7, "b"]) == ((), (-0.3, -0.4), (0.5,))
+    again = CosineRecord(window=3, members=2)
+    again.load_state_dict(record.state_dict())
+    assert again.cosines == record.cosines
+    for bad in ({"members": [[[1], [0.5]]]}, {"members": [["a", ["x"]]]}, {"members": [["a"]]}):
+        with pytest.raises((ValueError, TypeError)):
+            CosineRecord(window=3).load_state_dict(bad)
+    assert CosineRecord(window=1).add(["a"], [0.5]) is None and CosineRecord(window=1).earlier(["a"]) == ((),)
 
 
 # ---- determinism ----
@@ -169,7 +238,7 @@ def test_the_same_bits_twice_and_on_any_thread_count(aggregation: Aggregation) -
             results.append(reduce_slice(encoded, 300_000, codec, aggregation))
     finally:
         torch.set_num_threads(threads)
-    assert all(r == results[0] for r in results) and results[0][1] == (4,)
+    assert all(r == results[0] for r in results) and results[0][1].excluded == (4,)
 
 
 def test_the_statistics_do_not_depend_on_the_thread_count() -> None:
@@ -194,9 +263,9 @@ def captured_rounds(monkeypatch: pytest.MonkeyPatch, cfg: TrainConfig) -> list[l
     rounds: list[list[torch.Tensor]] = []
     inner = p2p_cocodc.run.simulator.butterfly_mean
 
-    def capture(vectors, codec, aggregation):
+    def capture(vectors, codec, aggregation, *records):
         rounds.append([v.clone() for v in vectors])
-        return inner(vectors, codec, aggregation)
+        return inner(vectors, codec, aggregation, *records)
 
     monkeypatch.setattr(p2p_cocodc.run.simulator, "butterfly_mean", capture)
     Simulation(cfg.validate()).run(RunLog(None))
@@ -223,7 +292,7 @@ def test_honest_outer_gradients_are_never_screened_and_the_mean_is_unchanged(
             n = bounds[j + 1] - bounds[j]
             encoded = [c.encode(v[bounds[j] : bounds[j + 1]]) for v in vectors]
             today = c.encode(mean_in_order([c.decode(e, n) for e in encoded]))
-            assert reduce_slice(encoded, n, c) == (today, ())
+            assert reduce_slice(encoded, n, c)[0] == today and reduce_slice(encoded, n, c)[1].excluded == ()
             ratios, cosines = similarity([c.decode(e, n) for e in encoded])
             worst_ratio, worst_cosine = max(worst_ratio, *ratios), min(worst_cosine, *cosines)
     # far from the thresholds, not just below them (docs/algorithms.md gives the measured margins)
@@ -233,12 +302,12 @@ def test_honest_outer_gradients_are_never_screened_and_the_mean_is_unchanged(
 # ---- the simulator ----
 
 
-def attacked_run(cfg: TrainConfig, monkeypatch: pytest.MonkeyPatch) -> dict:
-    """A run in which worker 2 sends its outer gradients times −10."""
+def attacked_run(cfg: TrainConfig, monkeypatch: pytest.MonkeyPatch, factor: float = -10.0) -> dict:
+    """A run in which worker 2 sends its outer gradients times ``factor``."""
     sim = Simulation(cfg.validate())
     strategy = sim.workers[2].strategy
     payload = strategy.payload
-    monkeypatch.setattr(strategy, "payload", lambda p, step: -10 * payload(p, step))
+    monkeypatch.setattr(strategy, "payload", lambda p, step: factor * payload(p, step))
     log = RunLog(cfg.out)
     try:
         return sim.run(log)
@@ -265,6 +334,38 @@ def test_the_simulator_leaves_out_an_attacking_worker_and_records_it(
     assert abs(screened["final_val_loss"] - clean["final_val_loss"]) < 0.1
 
 
+def test_a_sign_flipped_worker_is_left_out_of_every_round_from_the_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The cosine test alone (a flipped outer gradient has an honest norm), on cocodc's damped
+    default: left out of all 8 rounds, the first judged by its one slice at each owner."""
+    out = tmp_path / "flip.jsonl"
+    attacked_run(replace(SIM, workers=3, out=str(out)), monkeypatch, factor=-1.0)
+    exclusions = [r for r in read_records(out) if r["kind"] == "exclusion"]
+    assert [r["excluded"] for r in exclusions] == [[2]] * 8 and exclusions[0]["round"] == "f0:4"
+
+
+def test_a_long_clean_run_leaves_no_honest_member_out(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """384 steps of 4 nano workers, cocodc's defaults: late in the run one honest slice at a time
+    points against the group (judged by each slice alone, W = 1, this run left honest members out
+    of 10 slices); judged by their last 16 slices at each owner, nobody is left out."""
+    cosines: list[float] = []
+    measured = aggregation_module.similarity
+
+    def recorded(values):
+        found = measured(values)
+        cosines.extend(found[1])
+        return found
+
+    monkeypatch.setattr(aggregation_module, "similarity", recorded)
+    out = tmp_path / "long.jsonl"
+    options = {**TINY_RUN, "workers": 4, "steps": 384, "eval_every": 384, "out": str(out)}
+    Simulation(TrainConfig(**options).validate()).run(RunLog(str(out)))
+    assert len(cosines) == 96 * 4 * 4  # 96 rounds (2 fragments, every 8 steps) × 4 slices × 4 members
+    assert min(cosines) < -0.3  # a slice the per-slice test leaves out
+    assert [r for r in read_records(out) if r["kind"] == "exclusion"] == []
+
+
 # ---- options ----
 
 
@@ -273,10 +374,12 @@ def test_the_options_build_the_aggregation_and_bad_values_are_one_line_each() ->
     cfg = TrainConfig(aggregate="centered-clip", outlier_norm=6.0, outlier_cosine=-0.5).validate()
     assert cfg.aggregation() == Aggregation("centered-clip", outlier_norm=6.0, outlier_cosine=-0.5)
     assert TrainConfig(algo="ddp").validate().aggregation() == Aggregation(screening=False)
+    assert TrainConfig(outlier_window=3).validate().aggregation().outlier_window == 3
     bad = [
         ({"outlier_norm": 0.9}, "--outlier-norm must be ≥ 1 (a multiple of the median norm), got 0.9"),
         ({"outlier_cosine": 1.0}, "--outlier-cosine must be in [-1, 1) (-1: no cosine test), got 1.0"),
         ({"outlier_cosine": -1.5}, "--outlier-cosine must be in [-1, 1) (-1: no cosine test), got -1.5"),
+        ({"outlier_window": 0}, "--outlier-window must be from 1 to 1024 slices, got 0"),
         (
             {"algo": "ddp", "aggregate": "trimmed-mean"},
             "--aggregate applies to outer gradients: ddp averages",

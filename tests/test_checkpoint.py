@@ -55,6 +55,8 @@ CASES = {  # every strategy and schedule; cocodc's N = 3 keeps syncs in flight a
     "streaming": {"algo": "streaming", "codec": "int8"},
     "cocodc": {"algo": "cocodc", "transmissions": 3, "codec": "fp4"},
     "cocodc-step": {"algo": "cocodc", "dc_rule": "step", "dc_wd_debias": True, "overlap": 3},
+    # three workers: slice owners screen, and their cosine records are part of the state
+    "cocodc-screened": {"algo": "cocodc", "workers": 3},
 }
 CLI_RUN = [*TINY_MODEL, *TINY_SYNCS, "--workers", "2", "--step-time", "0.05", "--threads", "1", "--quiet"]
 
@@ -106,6 +108,8 @@ def test_resume_in_process_is_bit_exact(tmp_path: Path, case: str) -> None:
         first.run(RunLog(None), checkpoints=writer, stop=stop_at(first, stop_after))
     if case == "cocodc":  # a send every 2 steps, applied 2 steps later: always one in flight
         assert first.pending, "the checkpoint should hold a sync in flight"
+    if case == "cocodc-screened":
+        assert any(r.cosines for r in first.cosine_records.values()), "nothing was screened yet"
 
     checkpoint = find_resume_point(replace(cfg, resume=True))
     assert checkpoint is not None and checkpoint.step == stop_after

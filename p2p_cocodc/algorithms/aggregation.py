@@ -11,9 +11,17 @@ told apart from the rest):
     r_i = ‖x_i‖₂,  r̃ = med(r_1 … r_M),  m = coordinate-wise median of x_1 … x_M,
     ρ_i = r_i / r̃   (0 when r_i = 0, ∞ when r̃ = 0 < r_i),
     c_i = ⟨x_i, m⟩ / (r_i·‖m‖)   (1 when r_i·‖m‖ = 0),
-    b_i = max(ρ_i / N, (1 − c_i) / (1 − C)),   N = outlier_norm ≥ 1, −1 ≤ C = outlier_cosine < 1.
+    c̄_i = (c_i^(1) + … + c_i^(n)) / n,
+    b_i = max(ρ_i / N, (1 − c̄_i) / (1 − C)),   N = outlier_norm ≥ 1, −1 ≤ C = outlier_cosine < 1,
 
-Member i is an outlier when b_i > 1, i.e. r_i > N·r̃ or c_i < C. Outliers are excluded worst first
+where c_i^(1) … c_i^(n) are member i's last n = min(W, seen) cosines at this slice owner, this slice's
+c_i the last of them (W = outlier_window ≥ 1; the owner keeps them in a ``CosineRecord``): a member
+new to the owner is judged by c_i alone, and W = 1 judges every slice alone. The norm test judges
+each slice alone (an honest norm stays within 2× of the median's); the cosine test judges a member's
+recent direction, because one honest slice can point against the group's (down to −0.70 in clean
+runs, late in a run) while a sign-flipped member points against it round after round.
+
+Member i is an outlier when b_i > 1, i.e. r_i > N·r̃ or c̄_i < C. Outliers are excluded worst first
 (decreasing b_i, ties: lower member index first), at most ⌊(M − 1)/2⌋ of them, so the kept members
 are always a strict majority.
 
@@ -45,8 +53,10 @@ mean's would).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,7 +71,8 @@ class Aggregation:
 
     rule: str = "mean"  # one of names.AGGREGATES
     outlier_norm: float = 4.0  # N: a member with ‖x_i‖ > N·(median norm) is an outlier
-    outlier_cosine: float = 0.0  # C: a member with cosine below C to the coordinate-wise median is one
+    outlier_cosine: float = 0.0  # C: a member whose recent mean cosine c̄_i to the median is below C is one
+    outlier_window: int = 16  # W: c̄_i averages the member's last W cosines at this owner
     trim: float = 0.25  # β of the trimmed mean: about β·K values cut at each end, at least 1
     clip_iterations: int = 3  # L of centered clipping
     screening: bool = True  # False: nobody is left out (ddp: one step's gradients are too noisy to judge)
@@ -70,27 +81,83 @@ class Aggregation:
 MEAN = Aggregation()
 
 
+class Screening(NamedTuple):
+    """Who a slice owner left out of one slice (positions, ascending), and each member's c_i there."""
+
+    excluded: tuple[int, ...]
+    cosines: tuple[float, ...]
+
+
 def aggregate(
-    values: Sequence[torch.Tensor], aggregation: Aggregation = MEAN
-) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The slice's aggregate and the members (indices into ``values``) screened out of it."""
-    excluded = screen(values, aggregation)
-    kept = [value for i, value in enumerate(values) if i not in excluded]
-    return combine(kept, aggregation), excluded
+    values: Sequence[torch.Tensor], aggregation: Aggregation = MEAN, earlier: Sequence[Sequence[float]] = ()
+) -> tuple[torch.Tensor, Screening]:
+    """The slice's aggregate and its screening; ``earlier[i]``: member i's earlier cosines at this
+    owner, oldest first (none given: members new to it)."""
+    screening = screen(values, aggregation, earlier)
+    kept = [value for i, value in enumerate(values) if i not in screening.excluded]
+    return combine(kept, aggregation), screening
 
 
-def screen(values: Sequence[torch.Tensor], aggregation: Aggregation = MEAN) -> tuple[int, ...]:
-    """The outliers to leave out, ascending: b_i > 1, worst first, at most ⌊(M − 1)/2⌋."""
+def screen(
+    values: Sequence[torch.Tensor], aggregation: Aggregation = MEAN, earlier: Sequence[Sequence[float]] = ()
+) -> Screening:
+    """The outliers to leave out, ascending: b_i > 1, worst first, at most ⌊(M − 1)/2⌋; and every
+    member's c_i (empty when nothing is screened: fewer than 3 members, or screening off)."""
     members = len(values)
     if members < 3 or not aggregation.screening:
-        return ()
+        return Screening((), ())
     ratios, cosines = similarity(values)
+    recent = [
+        mean_cosine([*(earlier[i] if i < len(earlier) else ()), c], aggregation.outlier_window)
+        for i, c in enumerate(cosines)
+    ]
     badness = [
         max(rho / aggregation.outlier_norm, (1.0 - c) / (1.0 - aggregation.outlier_cosine))
-        for rho, c in zip(ratios, cosines, strict=True)
+        for rho, c in zip(ratios, recent, strict=True)
     ]
     worst_first = sorted((i for i in range(members) if badness[i] > 1.0), key=lambda i: (-badness[i], i))
-    return tuple(sorted(worst_first[: (members - 1) // 2]))
+    return Screening(tuple(sorted(worst_first[: (members - 1) // 2])), tuple(cosines))
+
+
+def mean_cosine(cosines: Sequence[float], window: int) -> float:
+    """c̄: the mean of the last ``window`` of a member's ``cosines`` (oldest first, at least one)."""
+    latest = cosines[-window:]
+    return math.fsum(latest) / len(latest)
+
+
+class CosineRecord:
+    """One slice owner's memory for the cosine test: each member's last ``window`` − 1 cosines (the
+    test adds the slice's own), for at most ``members`` members, the least recently judged forgotten
+    first. Members are any hashable ids (peer ids in a swarm, data shards in the simulator)."""
+
+    def __init__(self, window: int, members: int = 4096) -> None:
+        self.window = window
+        self.members = members
+        self.cosines: OrderedDict[Hashable, tuple[float, ...]] = OrderedDict()
+
+    def earlier(self, members: Sequence[Hashable]) -> tuple[tuple[float, ...], ...]:
+        return tuple(self.cosines.get(member, ()) for member in members)
+
+    def add(self, members: Sequence[Hashable], cosines: Sequence[float]) -> None:
+        """Each member's cosine in one more slice of this owner."""
+        keep = self.window - 1
+        for member, c in zip(members, cosines, strict=False):  # no cosines: nothing was screened
+            self.cosines[member] = (*self.cosines.pop(member, ()), c)[-keep:] if keep else ()
+        while len(self.cosines) > self.members:
+            self.cosines.popitem(last=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"members": [[member, list(c)] for member, c in self.cosines.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over a ``state_dict()``; ValueError if it is not one."""
+        cosines: OrderedDict[Hashable, tuple[float, ...]] = OrderedDict()
+        for entry in state["members"]:
+            member, values = entry
+            if not isinstance(member, (int, str)) or not all(isinstance(c, float) for c in values):
+                raise ValueError(f"a cosine record holds {entry!r}")
+            cosines[member] = tuple(values)[-(self.window - 1) :] if self.window > 1 else ()
+        self.cosines = cosines
 
 
 def similarity(values: Sequence[torch.Tensor]) -> tuple[list[float], list[float]]:

@@ -13,16 +13,17 @@ Because a block codec quantizes each block on its own and slices end on block ed
 nobody screened out equals encoding the whole vector, averaging, and encoding the mean, bit for
 bit. ``butterfly_mean`` does all four steps in one process, which is what the simulator uses, so a
 swarm of M peers and the simulator with M workers agree exactly for every codec and rule (screening
-and the robust rules work per slice: every owner judges its own slice).
+and the robust rules work per slice: every owner judges its own slice, by what it measured there and
+by its own record of each member's earlier cosines).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
-from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation, aggregate
+from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation, CosineRecord, Screening, aggregate
 from p2p_cocodc.algorithms.codecs import Codec
 
 
@@ -44,14 +45,19 @@ def encode_slices(vector: torch.Tensor, parts: int, codec: Codec) -> list[bytes]
 
 
 def reduce_slice(
-    encoded: Sequence[bytes], numel: int, codec: Codec, aggregation: Aggregation = MEAN
-) -> tuple[bytes, tuple[int, ...]]:
-    """Step 3: the owner's aggregate of one slice over every member's encoding, encoded again, and the
-    members (positions in ``encoded``) screened out of it as outliers. With nobody screened out, the
-    mean is the sum in member order divided by M. Raises UserError (from the codec) on a payload of
-    the wrong size or non-finite."""
-    value, excluded = aggregate([codec.decode(data, numel) for data in encoded], aggregation)
-    return codec.encode(value), excluded
+    encoded: Sequence[bytes],
+    numel: int,
+    codec: Codec,
+    aggregation: Aggregation = MEAN,
+    earlier: Sequence[Sequence[float]] = (),
+) -> tuple[bytes, Screening]:
+    """Step 3: the owner's aggregate of one slice over every member's encoding, encoded again, and its
+    screening (the members, positions in ``encoded``, left out of it as outliers, and their cosines;
+    ``earlier``: each member's earlier cosines at this owner). With nobody screened out, the mean is
+    the sum in member order divided by M. Raises UserError (from the codec) on a payload of the wrong
+    size or non-finite."""
+    value, screening = aggregate([codec.decode(data, numel) for data in encoded], aggregation, earlier)
+    return codec.encode(value), screening
 
 
 def assemble(means: Sequence[bytes], sizes: Sequence[int], codec: Codec) -> torch.Tensor:
@@ -60,16 +66,27 @@ def assemble(means: Sequence[bytes], sizes: Sequence[int], codec: Codec) -> torc
 
 
 def butterfly_mean(
-    vectors: Sequence[torch.Tensor], codec: Codec, aggregation: Aggregation = MEAN
+    vectors: Sequence[torch.Tensor],
+    codec: Codec,
+    aggregation: Aggregation = MEAN,
+    owners: Sequence[CosineRecord] | None = None,
+    members: Sequence[Hashable] | None = None,
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """What every member of a butterfly all-reduce ends with, computed in one process, and the
-    members (positions in ``vectors``) screened out of any slice, ascending."""
+    members (positions in ``vectors``) screened out of any slice, ascending. ``owners[j]``: the cosine
+    record of the owner of slice j (member j), which judges and then records ``members`` (ids, in
+    the order of ``vectors``); none: every member is new to every owner, nothing is recorded."""
     if len(vectors) == 1:
         return vectors[0].clone(), ()
-    members = len(vectors)
+    count = len(vectors)
     numel = vectors[0].numel()
-    sizes = slice_sizes(numel, members, codec.block)
-    encoded = [encode_slices(v, members, codec) for v in vectors]
-    reduced = [reduce_slice([e[j] for e in encoded], sizes[j], codec, aggregation) for j in range(members)]
-    excluded = sorted({i for _, out in reduced for i in out})
+    sizes = slice_sizes(numel, count, codec.block)
+    encoded = [encode_slices(v, count, codec) for v in vectors]
+    reduced = []
+    for j in range(count):
+        earlier = owners[j].earlier(members) if owners is not None and members is not None else ()
+        reduced.append(reduce_slice([e[j] for e in encoded], sizes[j], codec, aggregation, earlier))
+        if owners is not None and members is not None:
+            owners[j].add(members, reduced[j][1].cosines)
+    excluded = sorted({i for _, screening in reduced for i in screening.excluded})
     return assemble([data for data, _ in reduced], sizes, codec), tuple(excluded)

@@ -80,8 +80,11 @@ class TrainConfig:
     )
     outlier_cosine: float = opt(
         0.0,
-        "screening (3+ members): leave out a slice whose cosine to the coordinate-wise median is "
-        "below this (-1: no cosine test)",
+        "screening (3+ members): leave out a member whose recent cosine to the coordinate-wise median "
+        "(the mean over --outlier-window slices) is below this (-1: no cosine test)",
+    )
+    outlier_window: int = opt(
+        16, "screening: how many of a member's latest slices at this slice owner its cosine test averages"
     )
     # inner optimizer
     lr: float = opt(1e-3, "inner AdamW peak learning rate")
@@ -233,9 +236,11 @@ class TrainConfig:
             raise UserError(
                 f"--outlier-cosine must be in [-1, 1) (-1: no cosine test), got {self.outlier_cosine}"
             )
+        if not 1 <= self.outlier_window <= 1024:
+            raise UserError(f"--outlier-window must be from 1 to 1024 slices, got {self.outlier_window}")
         changed = [
             n
-            for n in ("aggregate", "outlier_norm", "outlier_cosine")
+            for n in ("aggregate", "outlier_norm", "outlier_cosine", "outlier_window")
             if getattr(self, n) != FIELDS[n].default
         ]
         if self.algo == "ddp" and changed:
@@ -315,6 +320,7 @@ class TrainConfig:
             rule=self.aggregate,
             outlier_norm=self.outlier_norm,
             outlier_cosine=self.outlier_cosine,
+            outlier_window=self.outlier_window,
             screening=self.algo != "ddp",
         )
 

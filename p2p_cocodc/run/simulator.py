@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from p2p_cocodc.algorithms.aggregation import CosineRecord
 from p2p_cocodc.algorithms.butterfly import butterfly_mean
 from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.state import expect_tensor
@@ -120,6 +121,8 @@ class Simulation:
         self._stop: Callable[[], signal.Signals | None] = lambda: None  # ``run``'s stop request
         self._received: signal.Signals | None = None
         self.exclusions: list[tuple[str, list[int]]] = []  # this step's rounds that left shards out
+        # each data shard's record of the members' cosines at the slices it owned (its screening memory)
+        self.cosine_records: dict[int, CosineRecord] = {}
 
     @classmethod
     def resumed(cls, cfg: TrainConfig, checkpoint: Checkpoint) -> Simulation:
@@ -321,10 +324,18 @@ class Simulation:
                 f"--events {self.cfg.events}: round {round_id} averages data shard {missing[0]}, which no "
                 "join record starts before it"
             )
-        averaged, excluded = butterfly_mean([payloads[i] for i in group], self.codec, self.aggregation)
+        owners = [self._cosine_record(i) for i in group]
+        averaged, excluded = butterfly_mean(
+            [payloads[i] for i in group], self.codec, self.aggregation, owners, group
+        )
         if excluded:
             self.exclusions.append((round_id, [group[i] for i in excluded]))
         return averaged, allreduce_wire_bytes(self.codec, averaged.numel(), len(group))
+
+    def _cosine_record(self, shard: int) -> CosineRecord:
+        if shard not in self.cosine_records:
+            self.cosine_records[shard] = CosineRecord(self.aggregation.outlier_window)
+        return self.cosine_records[shard]
 
     def send(self, p: int, step: int) -> None:
         """Every replica's payload of fragment ``p`` averaged at once; the result arrives on the
@@ -393,6 +404,7 @@ class Simulation:
                 for p, r in self.pending.items()
             ],
             "train_losses": list(self.train_losses),
+            "cosine_records": [[shard, r.state_dict()] for shard, r in self.cosine_records.items()],
             "records": copy.deepcopy(self.records.kept),
             "rng": {"torch": torch.get_rng_state()},
         }
@@ -429,6 +441,9 @@ class Simulation:
         self.bytes_sent = int(state["bytes_sent"])
         self.step = int(state["step"])
         self.train_losses = [float(x) for x in state["train_losses"]]
+        self.cosine_records = {}
+        for shard, saved in state.get("cosine_records", []):  # older checkpoints: every member new
+            self._cosine_record(int(shard)).load_state_dict(saved)
         self.records.kept = list(state["records"])
         if not self.records.kept or self.records.kept[-1]["step"] > self.step:
             raise ValueError(f"its records do not end at or before step {self.step}")

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
+from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation, CosineRecord
 from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.swarm.group_claims import GroupClaims
 from p2p_cocodc.swarm.limits import Limits, PeerLimiter
@@ -195,6 +195,7 @@ class FragmentExchange:
         self.protocol = f"p2p-cocodc/{run_id}/exchange/2"
         self.codec = codec
         self.aggregation = aggregation
+        self.cosines = CosineRecord(aggregation.outlier_window)  # the members' c_i at this peer's slices
         self.shard = shard
         self.fingerprint = fingerprint
         self.key_id = key_id  # the run's swarm key ("open": none): only its holders are peers of ours
@@ -302,6 +303,7 @@ class FragmentExchange:
         finally:
             self.waiting.pop(round_id, None)
         if isinstance(result, Completed):
+            self.cosines.add([p for p, _ in result.cosines], [c for _, c in result.cosines])
             self.stats.rounds_done += 1
             self.stats.last_round_s = time.monotonic() - started
             if result.screened_out:
@@ -385,6 +387,7 @@ class FragmentExchange:
                 self._board(),
                 time.monotonic(),
                 self.aggregation,
+                dict(self.cosines.cosines),
             )
             machine.gave_round_up = round_id in self.promised or self.leaving or self.joining
             self.open[round_id] = machine

@@ -95,6 +95,7 @@ class RoundMachine:
         view: Mapping[str, BoardPeer],
         now: float,
         aggregation: Aggregation = MEAN,
+        earlier_cosines: Mapping[str, tuple[float, ...]] | None = None,
     ) -> None:
         self.me = me
         self.round_id = round_id
@@ -102,6 +103,7 @@ class RoundMachine:
         self.fingerprint = fingerprint
         self.codec = codec
         self.aggregation = aggregation  # how the slice this peer owns is checked and averaged
+        self.earlier_cosines = earlier_cosines or {}  # members' c_i at our earlier slices (CosineRecord)
         self.deadlines = deadlines
         self.view: dict[str, BoardPeer] = {}
         self.seen_on_board: set[str] = set()  # a member that has left the board is gone
@@ -144,6 +146,7 @@ class RoundMachine:
         self.jobs_out: set[str] = set()
         self.recovery: Recovery | None = None
         self.screened_out: tuple[str, ...] = ()  # members left out of this peer's slice (outliers)
+        self.cosines: tuple[tuple[str, float], ...] = ()  # each member's c_i at this peer's slice
         self.replayed: set[str] = set()  # members that sent this peer a slice from an earlier round
         self.outcome: Outcome | None = None
         self.why_recovering = ""
@@ -453,19 +456,18 @@ class RoundMachine:
             self.parts[self.me] = self.slices[self._index(self.me)]
         elif kind == "reduce":
             assert isinstance(event.value, tuple) and self.members is not None
-            self.results[self.me], screened = event.value
+            self.results[self.me], screening = event.value
             kept = event.job.inputs[3]
-            left_out = {kept[i] for i in screened} | self.replayed
+            left_out = {kept[i] for i in screening.excluded} | self.replayed
             self.screened_out = tuple(p for p, _ in self.members if p in left_out)
+            self.cosines = tuple(zip(kept, screening.cosines, strict=False))
             if self.screened_out:
                 names = [short(p) for p in self.screened_out]
                 out.append(Note(f"round {self.round_id}: left {names} out of my slice's mean (outliers)"))
         elif kind == "assemble":
             assert isinstance(event.value, torch.Tensor) and self.members is not None
-            done = Completed(
-                event.value, self.members, self.pace, by_butterfly=True, screened_out=self.screened_out
-            )
-            self._settle(done, now, out)
+            done = Completed(event.value, self.members, self.pace, True, self.screened_out, self.cosines)
+            self._settle(done, now, out)  # True: by the butterfly
 
     # ---- the phases ----
 
@@ -623,9 +625,10 @@ class RoundMachine:
             if "reduce" not in self.jobs_out:
                 mine = self._index(self.me)
                 self.jobs_out.add("reduce")
-                kept = [p for p in peers if p not in self.replayed]  # a replayed slice never counts
-                parts = [self.parts[p] for p in kept]
-                out.append(Compute(Job("reduce", (parts, self.sizes[mine], self.aggregation, tuple(kept)))))
+                kept = tuple(p for p in peers if p not in self.replayed)  # a replayed slice never counts
+                earlier = tuple(self.earlier_cosines.get(p, ()) for p in kept)
+                inputs = ([self.parts[p] for p in kept], self.sizes[mine], self.aggregation, kept, earlier)
+                out.append(Compute(Job("reduce", inputs)))
         if self.me in self.results:
             for peer in peers:
                 if peer != self.me:

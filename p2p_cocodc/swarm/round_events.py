@@ -151,6 +151,7 @@ class Completed:
     pace: int  # the group's pace: the largest send-slot spacing its members asked for
     by_butterfly: bool  # False: fetched from a peer that completed
     screened_out: tuple[str, ...] = ()  # members this peer left out of its own slice's aggregate
+    cosines: tuple[tuple[str, float], ...] = ()  # (member, c_i) at its own slice: its CosineRecord's next
 
 
 @dataclass(frozen=True)
@@ -206,9 +207,9 @@ def run_job(job: Job, codec: Codec) -> Computed:
         if job.kind == "encode":
             vector, parts = job.inputs
             value: object = encode_slices(vector, parts, codec)
-        elif job.kind == "reduce":  # (the aggregate's encoding, members screened out of it)
-            encoded, numel, aggregation, _ = job.inputs  # the last input: the members of ``encoded``
-            value = reduce_slice(encoded, numel, codec, aggregation)
+        elif job.kind == "reduce":  # (the aggregate's encoding, its Screening)
+            encoded, numel, aggregation, _, earlier = job.inputs  # _: the members of ``encoded``
+            value = reduce_slice(encoded, numel, codec, aggregation, earlier)
         elif job.kind == "assemble":
             means, sizes = job.inputs
             value = assemble(means, sizes, codec)
