@@ -248,8 +248,9 @@ default thresholds (`--outlier-norm {default.outlier_norm:g} --outlier-cosine {d
 runs (nano, H = 8, K = 2, τ = 2, 32 steps, 3 and 4 workers), {args.seeds} seeds per algorithm and
 worker count, the (codec, rule) pair turning with the seed so every codec meets every rule; `long`:
 the same, 384 steps; `convergence`: the convergence benchmark's runs (micro, M = 4, H = 48, K = 4,
-480 steps), seeds 0-2. "left out": slices with an honest member left out (the target: 0). "W = 1":
-slices where judging each slice alone, the rule before `--outlier-window`, would have left one out.
+480 steps), seeds 0-2. "left out": honest members left out of a round's mean (the target: 0).
+"W = 1": slices where judging each slice alone, the rule before `--outlier-window`, would have left
+an honest member out.
 Margins: the largest honest ρ_i (threshold {default.outlier_norm:g}), the lowest honest c_i of one
 slice, and the lowest honest c̄_i, the mean the cosine test judges (threshold {default.outlier_cosine:g}).
 
