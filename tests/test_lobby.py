@@ -525,12 +525,30 @@ def test_every_peer_starts_with_its_own_shard(board: tuple[dict[str, R], int, li
 
 
 def test_a_finished_run_says_so_and_keeps_its_id_as_long_as_a_done_record_lives() -> None:
-    from p2p_cocodc.swarm.records import MAX_LIFETIME_S
-
     done = {"aaa": R(state="done", step=100, shard=0), "ccc": R(state="done", step=100, shard=1)}
     with pytest.raises(UserError, match=r"^run 'r' finished at step 100: choose a new --run-id") as caught:
         decide({**done, ME: W})
-    assert f"stays taken for {MAX_LIFETIME_S / 60:.0f} minutes" in str(caught.value)
+    assert "or --resume from a checkpoint" in str(caught.value)
+
+
+def test_a_run_the_bootstrap_saw_end_is_refused_before_anything_is_set_up() -> None:
+    ended = {"r": {"step": 100, "steps": 100, "at": 1.0}, "other": {"step": 5, "steps": 9, "at": 2.0}}
+    with pytest.raises(UserError, match=r"^run 'r' finished at step 100: choose a new --run-id"):
+        lobby.check_not_ended_at_bootstrap(ended, "r", 100)
+    with pytest.raises(UserError, match=r"^run 'other' ended at step 5 of --steps 9 \(its peers left\)"):
+        lobby.check_not_ended_at_bootstrap(ended, "other", 9)
+    lobby.check_not_ended_at_bootstrap(ended, "new", 100)  # a run it never saw end: the board decides
+    # the bootstrap's answer is untrusted: anything but a step is no end
+    for hostile in (
+        None,
+        [],
+        "r",
+        {"r": None},
+        {"r": {"step": True}},
+        {"r": {"step": -1}},
+        {"r": {"step": "9"}},
+    ):
+        lobby.check_not_ended_at_bootstrap(hostile, "r", 100)
 
 
 def test_a_run_whose_peers_left_early_says_how_to_go_on() -> None:

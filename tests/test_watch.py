@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from p2p_cocodc.ops.watch import MAX_POINTS, MAX_SERIES, POINT_FIELDS, Endings, History, Series, health
-from p2p_cocodc.swarm.dht import p2pd_socket, start_dht, stop_dht
+from p2p_cocodc.swarm.dht import fetch_bootstrap_json, p2pd_socket, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord
 from tests.swarm_procs import (
     CLI,
@@ -440,10 +440,25 @@ def test_status_after_a_real_run_says_it_finished(tmp_path: Path) -> None:
             return shown if "run ended finished" in shown else None
 
         text = wait_for(said, 60, "status to say the run finished")
+        # a peer that comes late is told by the bootstrap, before it sets anything up (issue 19: it
+        # used to wait for peers for good); 30 s: a hang guard
+        late = ["join", "--bootstrap", boot.host_port, "--run-id", "ended", "--region", "late", *TWO_PEERS]
+        refused = run_cli(late, tmp_path, 30)
+        ended = fetch_bootstrap_json(boot.host_port, "/ended", 10)
     finally:
         for peer in peers:
             end_group(peer)
         end_group(boot.proc)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: run 'ended' finished at step 24: choose a new --run-id, or --resume from a checkpoint"
+        )
+    ), refused.stderr
+    assert "waiting for peers" not in refused.stderr
+    assert {k: ended["ended"][k] for k in ("step", "steps")} == {"step": 24, "steps": 24}, ended
     theta = {records(tmp_path / f"{r}.jsonl")[-1]["global_params_sha256"][:16] for r in REGIONS}
     assert len(theta) == 1
     line = next(line for line in text.splitlines() if line.startswith("run ended finished"))

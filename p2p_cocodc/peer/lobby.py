@@ -200,15 +200,30 @@ def check_not_ended(same: View, seat: Seat) -> None:
     (``run_end``): the run ended before this peer came. A peer resuming the run is let through: a
     swarm stopped early goes on with --resume."""
     step = run_end(r for p, r in same.items() if p != seat.peer_id)
-    if seat.resume_step is not None or step is None:
-        return
-    if step >= seat.steps:
-        raise UserError(
-            f"run {seat.run_id!r} finished at step {step}: choose a new --run-id (a finished run's id "
-            "stays taken for 2 minutes)"
+    if seat.resume_step is None and step is not None:
+        raise ended_error(seat.run_id, step, seat.steps)
+
+
+def check_not_ended_at_bootstrap(ended: Any, run_id: str, steps: int) -> None:
+    """UserError when the bootstrap saw run ``run_id`` end (``ended``: its /ended answer, untrusted),
+    asked before this peer sets anything up; a peer that resumes the run does not ask."""
+    end = ended.get(run_id) if isinstance(ended, dict) else None
+    step = end.get("step") if isinstance(end, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool) and 0 <= step:
+        raise ended_error(run_id, step, steps)
+
+
+def ended_error(run_id: str, step: int, steps: int) -> UserError:
+    """What a peer asking for a run that ended is told: a finished run's id stays taken while the
+    bootstrap remembers its end (its last 16 ended runs, until it restarts) and while its done records
+    are on the board (2 minutes); a run whose peers left early goes on with --resume."""
+    if step >= steps:
+        return UserError(
+            f"run {run_id!r} finished at step {step}: choose a new --run-id, or --resume from a "
+            "checkpoint (a finished run's id stays taken while the bootstrap remembers its end)"
         )
-    raise UserError(
-        f"run {seat.run_id!r} ended at step {step} of --steps {seat.steps} (its peers left): to go on, "
+    return UserError(
+        f"run {run_id!r} ended at step {step} of --steps {steps} (its peers left): to go on, "
         "start them again with --resume and their --checkpoint-dir; or choose a new --run-id"
     )
 

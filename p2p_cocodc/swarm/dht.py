@@ -83,6 +83,18 @@ def find_bootstrap(addr: str, timeout: float = 10.0) -> tuple[str, list[str], st
     return status, maddrs, key_id if isinstance(key_id, str) and 0 < len(key_id) <= 16 else None
 
 
+def bootstrap_endings(addr: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The runs the bootstrap saw end (its ``/ended``: {run id: {"step", "steps", "at"}}); none from a
+    bootstrap given as a multiaddr, or one too old to say (then the board alone tells)."""
+    if addr.strip().startswith("/"):
+        return {}
+    try:
+        ended = fetch_bootstrap_json(addr, "/ended", timeout)
+    except UserError:
+        return {}
+    return ended if isinstance(ended, dict) else {}
+
+
 def fetch_bootstrap_json(
     addr: str, path: str, timeout: float, multiaddr_ok: bool = False, max_bytes: int = 64 * 1024
 ) -> Any:
