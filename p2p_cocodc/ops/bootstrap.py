@@ -80,6 +80,7 @@ class Snapshot:
         self.address = _dumps({k: address[k] for k in ("maddrs", "peer_id", "key_id") if k in address})
         self.status = _dumps({"runs": {}, "ended": {}, "updated_at": None, "error": None})
         self.history = _dumps(History().to_json())
+        self.ended = _dumps({})  # /ended: {run id: {"step", "steps", "at"}}, what a late peer asks
         self.page = page_files()
         self.refreshed: float | None = None  # monotonic time of the last good read of the board
         self.dht_alive = True
@@ -118,6 +119,8 @@ class StatusServer(ThreadingHTTPServer):
         if path == "/status":
             return 200, snap.status, JSON
         if path.startswith(REACH_PATH) and self.dial_back is not None:
+        if path == "/ended":
+            return 200, snap.ended, JSON
             code, answer = self.dial_back.handle(path[len(REACH_PATH) :])
             return code, _dumps(answer), JSON
         if path == "/history":
@@ -126,7 +129,7 @@ class StatusServer(ThreadingHTTPServer):
         if name in snap.page:
             kind, body = snap.page[name]
             return 200, body, kind
-        pages = "/, /health, /address, /status or /history"
+        pages = "/, /health, /address, /status, /ended or /history"
         return 404, _dumps({"error": f"no such page {path!r}; try {pages}"}), JSON
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -387,6 +390,7 @@ def _valid_run_id(run_id: str) -> bool:
 
 def _peer_view(record: PeerRecord) -> dict[str, Any]:
     return {name: getattr(record, name) for name in PEER_FIELDS}
+    snapshot.ended = _dumps({r: {k: e[k] for k in ("step", "steps", "at")} for r, e in endings.runs.items()})
 
 
 def _jsonable(value: Any) -> Any:

@@ -41,7 +41,7 @@ from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter, committed, r
 from p2p_cocodc.run.loop import ReplicaLoop
 from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.setup import TrainingSetup
-from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
+from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.records import NONE_YET, Board, PeerRecord, peers_key
 from p2p_cocodc.swarm.run_options import fingerprint, option_view
@@ -129,6 +129,8 @@ class Peer:
         shared = shared_options(self.setup, self.settings)
         self.fingerprint = fingerprint(shared)
         self.options = option_view(shared)  # published, so a mismatched peer can say what differs
+        if not cfg.resume:  # a run that ended says so at once; --resume goes on with one
+            lobby.check_not_ended_at_bootstrap(bootstrap_endings(opts.bootstrap), opts.run_id, cfg.steps)
         self.replica = SwarmReplica(
             self.setup, self.settings, region, self.metrics, opts.pace, opts.round_timeout_s, step_time
         )
