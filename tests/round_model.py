@@ -427,7 +427,9 @@ class World:
             expected, _ = butterfly_mean([self.vectors[p] for p, _ in members], self.codec)
             if not torch.equal(averages[0].average, expected):
                 return f"the average is not the butterfly mean of its members {members}"
-        live = set(self.live_peers())
+        # honest peers agree; a forger caught lying is not waited for, so its outcome may differ (a
+        # liar's θ̄ is its own problem: the θ̄ check outvotes it)
+        live = set(self.live_peers()) - {self.plan.forger}
         live_completed = [p for p in completed if p in live]
         # an Undecided peer takes the swarm's state again: it may sit beside either outcome
         live_failed = [p for p, o in self.outcomes.items() if p in live and isinstance(o, Failed | Lost)]

@@ -690,7 +690,7 @@ class RoundMachine:
         there = set(self.view) | recent | (members - left_board)  # silence alone is no reason here
         silent = {p for p, t in rec.unanswered_since.items() if now - t > self.deadlines.answer_s}
         unreachable = self._unreachable(silent)
-        asked = there - (silent - unreachable) - {self.me}
+        asked = there - (silent - unreachable) - {self.me} - self.claims.blamed  # a liar is not waited for
         gone = (members | set(rec.answers) | set(rec.unanswered_since)) - asked - {self.me}
         for peer in sorted(gone):  # a peer that left, or never answered a FETCH, is final like a FAILED one
             if peer in rec.answers and rec.answers[peer][0] in (Status.FAILED, Status.GONE):
