@@ -123,6 +123,63 @@ def stop_on_signals() -> Iterator[Callable[[], signal.Signals | None]]:
             signal.signal(sig, handler)
 
 
+class _SetUpStopped(BaseException):
+    """A peer's set-up interrupted by SIGINT or SIGTERM (``peer_signals``). A BaseException, like
+    KeyboardInterrupt: no ``except Exception`` of the set-up's libraries swallows it."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(sig.name)
+        self.sig = sig
+
+
+class PeerSignals:
+    """A peer's SIGINT and SIGTERM outside its event loop (``Peer.run`` handles them while it runs).
+
+    While armed (the imports, the model, the data, before the run), the first one ends the set-up
+    at once: nothing is written yet, and the process exits with 128 + the signal and one line, as
+    any stop before training. Once ``hand_over`` is called, they are only noted: the peer's run
+    stops at once on one noted before it took the signals over (``first``), and one that comes
+    after the run (its summary written, its DHT stopped) changes nothing."""
+
+    def __init__(self) -> None:
+        self.received: list[signal.Signals] = []
+        self.armed = True
+        self.handed_over = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        sig = signal.Signals(signum)
+        self.received.append(sig)
+        if self.armed:
+            self.armed = False  # a second signal while the first one unwinds the set-up: noted
+            raise _SetUpStopped(sig)
+
+    def hand_over(self) -> None:
+        self.armed = False
+        self.handed_over = True
+
+    def first(self) -> signal.Signals | None:
+        return self.received[0] if self.received else None
+
+
+@contextmanager
+def peer_signals() -> Iterator[PeerSignals]:
+    """``PeerSignals`` while open. After it, once the peer has run or a signal stopped it, the
+    process only has to end, and SIGINT and SIGTERM are ignored: Python's own exit (a second or so
+    with torch loaded) would otherwise end by the signal, not with the exit code the run earned.
+    Else (an error of the set-up, or a caller in the same process) the handlers before."""
+    handler = PeerSignals()
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield handler
+    except _SetUpStopped as stopped:
+        sig = stopped.sig
+        raise Stopped(f"stopped by {sig.name} while starting, before training", 128 + sig) from None
+    finally:
+        ending = handler.handed_over or handler.received
+        for sig, before in previous.items():
+            signal.signal(sig, signal.SIG_IGN if ending else before)
+
+
 ENV_PREFIX = "P2P_COCODC"
 
 
@@ -224,27 +281,32 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
     if check:
         sys.exit(preflight(cfg, opts))
 
-    # hivemind and torch: imported once the options are known good
-    from p2p_cocodc.peer.node import Peer
-    from p2p_cocodc.peer.region import Region, follow_region
-    from p2p_cocodc.run.checkpoint import find_resume_point
-    from p2p_cocodc.swarm.dht import check_listen_address
+    with peer_signals() as signals:  # SIGINT or SIGTERM during the set-up: exit at once (143, 130)
+        # hivemind and torch: imported once the options are known good
+        from p2p_cocodc.peer.node import Peer
+        from p2p_cocodc.peer.region import Region, follow_region
+        from p2p_cocodc.run.checkpoint import find_resume_point
+        from p2p_cocodc.swarm.dht import check_listen_address
 
-    region = Region.from_env()  # under torchrun: this region's replica is trained by several processes
-    if region is None or region.leads:  # the process that will listen: a taken --port now, not after set-up
-        check_listen_address(opts.host, opts.port, opts.port_taken())
-    if region is None:
-        metrics = _peer_metrics(opts)
-        summary = run_peer(Peer(cfg, opts, resume=find_resume_point(cfg), metrics=metrics), cfg, quiet)
-    else:
-        with region.joined(cfg, asdict(opts)):
-            if not region.leads:  # rank 0 speaks for the region; the others train as it says
-                follow_region(cfg, region)
-                return
-            with region.leading():
-                metrics = _peer_metrics(opts)
-                peer = Peer(cfg, opts, resume=find_resume_point(cfg), region=region, metrics=metrics)
-                summary = run_peer(peer, cfg, quiet)
+        region = Region.from_env()  # under torchrun: this region's replica is trained by several processes
+        # the process that will listen: a taken --port now, not after set-up
+        if region is None or region.leads:
+            check_listen_address(opts.host, opts.port, opts.port_taken())
+        if region is None:
+            metrics = _peer_metrics(opts)
+            peer = Peer(cfg, opts, resume=find_resume_point(cfg), metrics=metrics)
+            signals.hand_over()  # the peer's from here: it stops at once on one that came meanwhile
+            report_peer(run_peer(peer, cfg, quiet, signals.first), cfg.steps)
+            return
+    # A rank of a region keeps the default handlers: torchrun's SIGTERM ends it even in a collective.
+    with region.joined(cfg, asdict(opts)):
+        if not region.leads:  # rank 0 speaks for the region; the others train as it says
+            follow_region(cfg, region)
+            return
+        with region.leading():
+            metrics = _peer_metrics(opts)
+            peer = Peer(cfg, opts, resume=find_resume_point(cfg), region=region, metrics=metrics)
+            summary = run_peer(peer, cfg, quiet)
     report_peer(summary, cfg.steps)
 
 
@@ -325,8 +387,11 @@ def _peer_metrics(opts: SwarmOptions) -> PeerMetrics | None:
     return metrics
 
 
-def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
-    """Run a peer on a uvloop event loop, with its progress on stderr unless quiet."""
+def run_peer(
+    peer: Any, cfg: Any, quiet: bool, signalled: Callable[[], signal.Signals | None] | None = None
+) -> dict[str, Any]:
+    """Run a peer on a uvloop event loop, with its progress on stderr unless quiet (``signalled``:
+    ``Peer.run``'s)."""
     import uvloop
 
     from p2p_cocodc.ops.progress import progress_bars
@@ -337,7 +402,7 @@ def run_peer(peer: Any, cfg: Any, quiet: bool) -> dict[str, Any]:
     log = RunLog(cfg.out, open_sinks(cfg, f"{opts.run_id}-{opts.region or f'pid{os.getpid()}'}", opts.run_id))
     try:
         with progress_bars([peer.name], cfg.steps, cfg.batch_size * cfg.seq_len, quiet) as (progress,):
-            return uvloop.run(peer.run(log, progress=progress))
+            return uvloop.run(peer.run(log, progress=progress, signalled=signalled))
     finally:
         log.close()
 

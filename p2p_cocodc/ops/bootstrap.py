@@ -43,6 +43,7 @@ BOARD_TTL_S = 30.0  # the bootstrap only reads the board; Board wants a TTL for 
 MAX_RUNS = 256  # run ids come from untrusted peers: bound what /status lists
 # After the DHT process dies, /health answers 503 this long; then we exit 1 and systemd starts a fresh one.
 DEAD_GRACE_S = 5.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 WILDCARDS = ("0.0.0.0", "::", "")
 JSON = "application/json"
 PAGE_POLICY = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'"
@@ -79,8 +80,8 @@ class Snapshot:
         self.started = time.monotonic()
         self.address = _dumps({k: address[k] for k in ("maddrs", "peer_id", "key_id") if k in address})
         self.status = _dumps({"runs": {}, "ended": {}, "updated_at": None, "error": None})
-        self.history = _dumps(History().to_json())
         self.ended = _dumps({})  # /ended: {run id: {"step", "steps", "at"}}, what a late peer asks
+        self.history = _dumps(History().to_json())
         self.page = page_files()
         self.refreshed: float | None = None  # monotonic time of the last good read of the board
         self.dht_alive = True
@@ -118,9 +119,9 @@ class StatusServer(ThreadingHTTPServer):
             return 200, snap.address, JSON
         if path == "/status":
             return 200, snap.status, JSON
-        if path.startswith(REACH_PATH) and self.dial_back is not None:
         if path == "/ended":
             return 200, snap.ended, JSON
+        if path.startswith(REACH_PATH) and self.dial_back is not None:
             code, answer = self.dial_back.handle(path[len(REACH_PATH) :])
             return code, _dumps(answer), JSON
         if path == "/history":
@@ -196,7 +197,10 @@ def run_bootstrap(opts: BootstrapOptions) -> int:
 
             return uvloop.run(watch(dht, address["peer_id"], snapshot, opts.refresh_s, dial_back))
         except KeyboardInterrupt:
+            log.warning("stopping: the DHT shuts down")
             return 0
+        finally:
+            _ignore_stop_signals()
 
 
 def bind_status_server(host: str, port: int) -> StatusServer:
@@ -214,6 +218,25 @@ def bind_status_server(host: str, port: int) -> StatusServer:
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+def _stop_serving(sig: signal.Signals, task: asyncio.Task[int]) -> None:
+    if task.cancelling():
+        log.warning("%s: already stopping", sig.name)
+    else:
+        log.warning("stopping on %s: the DHT shuts down", sig.name)
+    task.cancel()
+
+
+def _ignore_stop_signals() -> None:
+    """The stop is under way: a second SIGINT or SIGTERM (an impatient operator, a supervisor that
+    signals the whole group) must not cut the shutdown short, nor the interpreter's exit after it
+    (about a second with torch loaded): the process ends anyway. Never restored: Python's exit
+    puts the default action back for handlers written in Python, and a signal then ended the
+    bootstrap by the signal (exit status -2, -15 instead of 0); a second SIGTERM after one that
+    came before the serving loop raised KeyboardInterrupt in the shutdown (130)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def describe(dht: Any, opts: BootstrapOptions, status_host: str, status_port: int) -> dict[str, Any]:
@@ -312,8 +335,8 @@ async def watch(
     loop = asyncio.get_running_loop()
     if dial_back is not None:
         dial_back.attach(loop)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, _stop_serving, sig, task)
     dead_since: float | None = None
     failing = False
     history, endings = History(), Endings()
@@ -331,6 +354,10 @@ async def watch(
             await asyncio.sleep(refresh_s)
     except asyncio.CancelledError:
         return 0
+    finally:
+        for sig in STOP_SIGNALS:  # the shutdown follows: ignored from here on (``_ignore_stop_signals``)
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
 
 async def refresh(
@@ -365,6 +392,7 @@ async def refresh(
         endings.read(run_id, records, runs[run_id]["info"], views, time.time())
     status = {"runs": runs, "ended": endings.to_json(), "updated_at": time.time(), "error": None}
     snapshot.status = _dumps(status)
+    snapshot.ended = _dumps({r: {k: e[k] for k in ("step", "steps", "at")} for r, e in endings.runs.items()})
     snapshot.history = _dumps(history.to_json())
     snapshot.refreshed = time.monotonic()
     return False
@@ -390,7 +418,6 @@ def _valid_run_id(run_id: str) -> bool:
 
 def _peer_view(record: PeerRecord) -> dict[str, Any]:
     return {name: getattr(record, name) for name in PEER_FIELDS}
-    snapshot.ended = _dumps({r: {k: e[k] for k in ("step", "steps", "at")} for r, e in endings.runs.items()})
 
 
 def _jsonable(value: Any) -> Any:

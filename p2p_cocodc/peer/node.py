@@ -21,9 +21,11 @@ import math
 import signal
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from p2p_cocodc.algorithms.devices import resolve_device
 from p2p_cocodc.algorithms.strategies import AlgoSettings
@@ -53,6 +55,14 @@ log = logging.getLogger(__name__)
 # a stopping peer says "leaving" on the board for this long at most: a signal to its whole process
 # group has stopped its DHT too, and the others see its record lapse anyway (docs/swarm.md)
 LEAVE_ANNOUNCE_S = 3.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A start-up that failed waits this long at most for the event loop to run the handler of a signal
+# that came while the loop was blocked (``start_dht`` blocks it): the start-up failed because of it.
+SIGNAL_NOTICE_S = 0.5
+BEFORE_TRAINING = "before training"
+WAITING = f"while waiting for peers, {BEFORE_TRAINING}"
+
+T = TypeVar("T")
 
 
 class Lifecycle(enum.StrEnum):
@@ -120,6 +130,8 @@ class Peer:
             resolve_device(cfg.device)
         self.initial_peers, bootstrap_key_id = parse_bootstrap(opts.bootstrap)
         self.membership.check_admitted(bootstrap_key_id, f"--bootstrap {opts.bootstrap}")
+        if not cfg.resume:  # a run that ended says so at once; --resume goes on with one
+            lobby.check_not_ended_at_bootstrap(bootstrap_endings(opts.bootstrap), opts.run_id, cfg.steps)
         self.cfg = cfg
         self.opts = opts
         self.metrics = metrics if metrics is not None else PeerMetrics()  # served with --metrics-port
@@ -129,8 +141,6 @@ class Peer:
         shared = shared_options(self.setup, self.settings)
         self.fingerprint = fingerprint(shared)
         self.options = option_view(shared)  # published, so a mismatched peer can say what differs
-        if not cfg.resume:  # a run that ended says so at once; --resume goes on with one
-            lobby.check_not_ended_at_bootstrap(bootstrap_endings(opts.bootstrap), opts.run_id, cfg.steps)
         self.replica = SwarmReplica(
             self.setup, self.settings, region, self.metrics, opts.pace, opts.round_timeout_s, step_time
         )
@@ -202,11 +212,23 @@ class Peer:
 
     # ---- the run ----
 
-    async def run(self, log_file: RunLog, progress: Phases | None = None) -> dict[str, Any]:
+    async def run(
+        self,
+        log_file: RunLog,
+        progress: Phases | None = None,
+        signalled: Callable[[], signal.Signals | None] | None = None,
+    ) -> dict[str, Any]:
+        """The peer's whole life; SIGINT and SIGTERM stop it (``_on_signal``) while it runs, and its
+        caller's handlers of them are back when it returns. ``signalled``: the signal that came
+        before this run took them over, if one did (its caller noted it): the peer stops at once."""
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig, stop)
+        with stop_signals_to(asyncio.get_running_loop(), lambda sig: self._on_signal(sig, stop)):
+            first = signalled() if signalled is not None else None
+            if first is not None:
+                self._on_signal(first, stop)
+            return await self._run(log_file, progress, stop)
+
+    async def _run(self, log_file: RunLog, progress: Phases | None, stop: asyncio.Event) -> dict[str, Any]:
         self.records = self.replica.records = Records(log_file, listener=self._on_record)
         if self.opts.identity is not None:
             check_identity(self.opts.identity)
@@ -217,20 +239,32 @@ class Peer:
                 "--swarm-key-file swarm.key, or certify each peer with an owner key (docs/security.md)",
                 self.opts.run_id,
             )
-        # Created on the main thread: the at-fork death signal is tied to the forking thread.
-        dht = start_dht(
-            self.initial_peers,
-            self.opts.host,
-            self.opts.port,
-            self.opts.announce,
-            self.opts.identity,
-            self.membership,
-            protected=[peers_key(self.opts.run_id)],
-        )
-        daemon_socket = p2pd_socket(dht)
-        p2p = None
+        starting = f"while starting, {BEFORE_TRAINING}"
+        self._check_stop(stop, starting)
+        dht = daemon_socket = p2p = None
         try:
-            p2p = self.p2p = await dht.replicate_p2p()
+            try:
+                # Created on the main thread: the at-fork death signal is tied to the forking thread.
+                dht = start_dht(
+                    self.initial_peers,
+                    self.opts.host,
+                    self.opts.port,
+                    self.opts.announce,
+                    self.opts.identity,
+                    self.membership,
+                    protected=[peers_key(self.opts.run_id)],
+                )
+                daemon_socket = p2pd_socket(dht)
+                p2p = self.p2p = await dht.replicate_p2p()
+            except Exception:
+                # A signal to the whole process group also ends the helpers being started (p2pd,
+                # torch_shm_manager), and the start-up fails because of it: that is a stop. The
+                # loop runs the signal's handler only once it runs again (start_dht blocks it).
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), SIGNAL_NOTICE_S)
+                self._check_stop(stop, starting)
+                raise
+            self._check_stop(stop, starting)
             self.peer_id = p2p.peer_id.to_base58()
             self.metrics.identify(
                 run_id=self.opts.run_id, region=self.name, peer_id=self.peer_id, algo=self.cfg.algo
@@ -247,9 +281,8 @@ class Peer:
             self.replica.close()
             if p2p is not None:
                 await p2p.shutdown()  # removes its client socket file
-            stop_dht(dht, daemon_socket)
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+            if dht is not None:
+                stop_dht(dht, daemon_socket)
 
     async def _take_part(self, p2p: Any, dht: Any, stop: asyncio.Event) -> dict[str, Any]:
         """On the board, in the lobby, then training with the swarm until the run ends or a signal."""
@@ -497,17 +530,22 @@ class Peer:
         return None
 
     def _on_signal(self, sig: signal.Signals, stop: asyncio.Event) -> None:
-        """SIGINT or SIGTERM: the peer stops, and exits with 128 + the first signal's number."""
+        """SIGINT or SIGTERM: the peer stops, and exits with 128 + the first signal's number. A
+        second signal changes nothing: the stop under way still writes the summary and --save."""
         if self.replica.stopped_by is None:
             self.replica.stopped_by = sig.name
+            log.warning("stopping on %s", sig.name)
+        else:
+            log.warning("%s: already stopping (on %s)", sig.name, self.replica.stopped_by)
         stop.set()
 
-    def _check_wait(self, stop: asyncio.Event, deadline: float, what: str) -> None:
+    def _check_stop(self, stop: asyncio.Event, where: str) -> None:
+        check_stop(stop, self.replica.stopped_by, where)
+
+    def _check_wait(self, stop: asyncio.Event, deadline: float, what: str, where: str = WAITING) -> None:
         assert self.presence is not None
         self.presence.check()
-        if stop.is_set():
-            sig = signal.Signals[self.replica.stopped_by or "SIGINT"]
-            raise Stopped(f"stopped by {sig.name} while waiting for peers, before training", 128 + sig)
+        self._check_stop(stop, where)
         if time.monotonic() > deadline:
             raise UserError(
                 f"{what} run {self.opts.run_id!r} within {self.opts.wait_peers_s:.0f} s "
@@ -522,6 +560,13 @@ class Peer:
         like every other peer."""
         presence, replica, stop = self.presence, self.replica, self.replica.stop
         assert presence is not None
+        # a joiner has not trained yet; a peer taking the state again has, and stops without a
+        # summary (its θ̄ is no longer the swarm's)
+        where = (
+            f"while joining, {BEFORE_TRAINING}"
+            if replica.train_started is None
+            else f"while taking the swarm's state again after step {replica.step}"
+        )
         presence.resyncing()  # its θ̄ is about to be replaced by the swarm's
         replica.cancel_syncs()
         await self._become(Lifecycle.JOINING)  # the others stop counting on us at once
@@ -534,14 +579,17 @@ class Peer:
                 donors = list(found.peers)
                 self.progress.joining([presence.name_of(d) for d in donors])
                 break
-            self._check_wait(stop, deadline, found.reason)
+            self._check_wait(stop, deadline, found.reason, where)
             await asyncio.sleep(0.2)
         view = presence.view
         step_time = max(max(view[d].step_time_s for d in donors), 1e-3)
         margin = max(2, math.ceil(2 * self.opts.heartbeat_s / step_time))
         ahead = max(view[d].step for d in donors) + margin
         try:
-            pulled = await pull_state(self.p2p, self.opts.run_id, self.fingerprint, donors, ahead, margin)
+            # a donor may take minutes to answer (it waits to reach the step asked, or it is stopped):
+            # a signal must not wait for it
+            pull = pull_state(self.p2p, self.opts.run_id, self.fingerprint, donors, ahead, margin)
+            pulled = await unless_stopped(pull, stop, lambda: self._check_stop(stop, where))
         except StateUnavailable as exc:
             raise UserError(f"could not take the swarm's state in run {self.opts.run_id!r}: {exc}") from None
         lobby.check_steps_left(pulled.step, self._seat())
@@ -558,3 +606,44 @@ class Peer:
             pulled.seconds,
             len(replica.pending),
         )
+
+
+def check_stop(stop: asyncio.Event, stopped_by: str | None, where: str) -> None:
+    """Stopped (exit code 128 + the signal) once a SIGINT or SIGTERM came: the peer stops ``where``."""
+    if stop.is_set():
+        sig = signal.Signals[stopped_by or "SIGINT"]
+        raise Stopped(f"stopped by {sig.name} {where}", 128 + sig)
+
+
+async def unless_stopped(work: Awaitable[T], stop: asyncio.Event, stopped: Callable[[], None]) -> T:
+    """``work``'s result; given up (cancelled) when ``stop`` is set first, then ``stopped()`` (which
+    raises Stopped)."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # its streams closed before the peer shuts p2p down
+    if task.cancelled():
+        stopped()
+    return task.result()
+
+
+@contextmanager
+def stop_signals_to(
+    loop: asyncio.AbstractEventLoop, handler: Callable[[signal.Signals], None]
+) -> Iterator[None]:
+    """Inside, SIGINT and SIGTERM call ``handler(sig)`` on ``loop``; after, the caller's handlers are back."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, handler, sig)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            loop.remove_signal_handler(sig)  # back to the default handler, then to the caller's
+            if old is not None:
+                signal.signal(sig, old)

@@ -401,12 +401,18 @@ def stop_dht(dht: Any, socket_path: str | None) -> None:
     """Shut the DHT down, and remove p2pd's socket file.
 
     The DHT may already be gone: systemd's control-group kill signals it too. hivemind removes the socket
-    only if it stops p2pd itself, so a p2pd that died first left the file behind in /tmp.
+    only if it stops p2pd itself, so a p2pd that died first left the file behind in /tmp. A DHT process
+    whose p2pd is gone (the group's signal ended it) cannot shut down cleanly: it would only sit out
+    hivemind's grace (3 s) and ours, so it is ended at once.
     """
-    try:
-        dht.shutdown()
-    except (OSError, EOFError) as exc:
-        log.debug("DHT shutdown: %s", exc)
+    if socket_path and dht.is_alive() and not _listened_on(Path(socket_path)):
+        log.info("the DHT's p2pd has ended: ending the DHT process")
+        dht.kill()
+    else:
+        try:
+            dht.shutdown()
+        except (OSError, EOFError) as exc:
+            log.debug("DHT shutdown: %s", exc)
     # hivemind then only sends SIGTERM; a DHT process that got the group's signal already may sit on
     # (in epoll) through it, and the interpreter's exit would wait on it for ever: end it for good
     dht.join(DHT_TERMINATE_S)
