@@ -17,7 +17,7 @@ slice and c̄_i, the mean over its last W slices at that owner that the cosine t
   ``long``, 4 workers, the first ``--attack-seeds`` seeds): the rounds that left it out, and the
   final perplexity against the clean run's.
 
-    python benchmarks/screening.py                          # about 75 minutes on this 2-core CPU
+    python benchmarks/screening.py                          # about 2 hours on this 2-core CPU
     python benchmarks/screening.py --seeds 2 --attack-seeds 1 --no-convergence   # a quick look
 
 Each run's result is kept under ``runs/screening/`` and reused; the report goes to
@@ -131,8 +131,8 @@ def cached(name: str, options: dict[str, Any], factor: float | None) -> dict[str
 
 def runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     plan: list[tuple[str, str, dict[str, Any], str | None]] = []  # (config, algo, options, attack)
-    for config, steps in (("test", 32), ("long", 384)):
-        for seed in range(args.seeds):
+    for config, steps, seeds in (("test", 32, args.seeds), ("long", 384, args.long_seeds or args.seeds)):
+        for seed in range(seeds):
             for algo, algo_options in ALGOS.items():
                 for workers in (3, 4):
                     codec, rule = PAIRS[(seed * 2 + workers) % len(PAIRS)]
@@ -152,7 +152,7 @@ def runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.convergence:
         convergence = {key.replace("-", "_"): value for key, value in COMMON.items()}
         for seed in range(3):
-            for algo in ("cocodc", "streaming"):
+            for algo in args.convergence_algos:
                 plan.append(("convergence", algo, {**convergence, **ALGOS[algo], "seed": seed}, None))
     found = []
     for i, (config, algo, options, attack) in enumerate(plan):
@@ -239,18 +239,22 @@ def report(args: argparse.Namespace, found: list[dict[str, Any]]) -> None:
                     f"| {attack} | {config} | {algo} | {len(hit)} | {caught} of {rounds} | {honest_out} | "
                     f"{min(ratios):.3f}-{max(ratios):.3f} |"
                 )
-    command = f"python benchmarks/screening.py --seeds {args.seeds} --attack-seeds {args.attack_seeds}" + (
-        "" if args.convergence else " --no-convergence"
+    command = f"python benchmarks/screening.py --seeds {args.seeds} --attack-seeds {args.attack_seeds}"
+    command += f" --long-seeds {args.long_seeds}" if args.long_seeds else ""
+    command += (
+        f" --convergence-algos {' '.join(args.convergence_algos)}"
+        if args.convergence
+        else " --no-convergence"
     )
     text = f"""Honest members left out of a slice's mean by screening, in clean simulator runs with the
 default thresholds (`--outlier-norm {default.outlier_norm:g} --outlier-cosine {default.outlier_cosine:g}
 --outlier-window {default.outlier_window}`), and attacks still caught. `test`: the real-process tests'
 runs (nano, H = 8, K = 2, τ = 2, 32 steps, 3 and 4 workers), {args.seeds} seeds per algorithm and
 worker count, the (codec, rule) pair turning with the seed so every codec meets every rule; `long`:
-the same, 384 steps; `convergence`: the convergence benchmark's runs (micro, M = 4, H = 48, K = 4,
-480 steps), seeds 0-2. "left out": honest members left out of a round's mean (the target: 0).
-"W = 1": slices where judging each slice alone, the rule before `--outlier-window`, would have left
-an honest member out.
+the same, 384 steps, {args.long_seeds or args.seeds} seeds; `convergence`: the convergence benchmark's
+runs (micro, M = 4, H = 48, K = 4, 480 steps, fp32, mean), seeds 0-2. "left out": honest members
+left out of a round's mean (the target: 0). "W = 1": slices where judging each slice alone, the rule
+before `--outlier-window`, would have left an honest member out.
 Margins: the largest honest ρ_i (threshold {default.outlier_norm:g}), the lowest honest c_i of one
 slice, and the lowest honest c̄_i, the mean the cosine test judges (threshold {default.outlier_cosine:g}).
 
@@ -275,7 +279,11 @@ seed.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=20, help="clean seeds per configuration")
+    parser.add_argument("--long-seeds", type=int, default=None, help="clean seeds of the long runs (--seeds)")
     parser.add_argument("--attack-seeds", type=int, default=3, help="seeds of the attacked runs")
+    parser.add_argument(
+        "--convergence-algos", nargs="+", default=["cocodc", "streaming"], choices=list(ALGOS)
+    )
     parser.add_argument("--no-convergence", dest="convergence", action="store_false")
     args = parser.parse_args()
     report(args, runs(args))
