@@ -44,19 +44,9 @@ from p2p_cocodc.config.train import TrainConfig  # noqa: E402
 from p2p_cocodc.names import AGGREGATES, CODEC_NAMES  # noqa: E402
 from p2p_cocodc.run.records import RunLog, read_records  # noqa: E402
 from p2p_cocodc.run.simulator import Simulation  # noqa: E402
+from tests.tiny_options import TINY_FIELDS  # noqa: E402
 
 RUNS = ROOT / "runs" / "screening"
-TEST = {
-    "model": "nano",
-    "tokenizer": "byte",
-    "seq_len": 32,
-    "batch_size": 4,
-    "inner_steps": 8,
-    "fragments": 2,
-    "overlap": 2,
-    "eval_batches": 2,
-    "threads": 1,
-}
 ALGOS = {
     "cocodc": {"algo": "cocodc"},
     "cocodc undamped": {"algo": "cocodc", "dc_alpha": 0.0, "dc_lambda": 0.5},
@@ -137,7 +127,7 @@ def runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for workers in (3, 4):
                     codec, rule = PAIRS[(seed * 2 + workers) % len(PAIRS)]
                     options = {
-                        **TEST,
+                        **TINY_FIELDS,
                         **algo_options,
                         "workers": workers,
                         "steps": steps,

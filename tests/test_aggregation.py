@@ -29,22 +29,11 @@ from p2p_cocodc.names import AGGREGATES
 from p2p_cocodc.run.records import RunLog, read_records
 from p2p_cocodc.run.simulator import Simulation
 from tests.test_algorithms import SMALL
+from tests.tiny_options import TINY_FIELDS
 
 RULES = [Aggregation(rule=rule) for rule in AGGREGATES]
 # the test config of test_algorithms (nano model), with 4 workers so slices have 4 members
 SIM = replace(SMALL, workers=4, fragments=2, threads=1)
-# the real-process tests' runs (tests/tiny_options.py), with the defaults they leave alone
-TINY_RUN = {
-    "model": "nano",
-    "tokenizer": "byte",
-    "seq_len": 32,
-    "batch_size": 4,
-    "inner_steps": 8,
-    "fragments": 2,
-    "overlap": 2,
-    "eval_batches": 2,
-    "threads": 1,
-}
 
 
 def t(*values: float) -> torch.Tensor:
@@ -359,7 +348,7 @@ def test_a_long_clean_run_leaves_no_honest_member_out(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(aggregation_module, "similarity", recorded)
     out = tmp_path / "long.jsonl"
-    options = {**TINY_RUN, "workers": 4, "steps": 384, "eval_every": 384, "out": str(out)}
+    options = {**TINY_FIELDS, "workers": 4, "steps": 384, "eval_every": 384, "out": str(out)}
     Simulation(TrainConfig(**options).validate()).run(RunLog(str(out)))
     assert len(cosines) == 96 * 4 * 4  # 96 rounds (2 fragments, every 8 steps) × 4 slices × 4 members
     assert min(cosines) < -0.3  # a slice the per-slice test leaves out

@@ -32,3 +32,16 @@ TINY = [
     "fp32",
     "--quiet",
 ]
+
+# the same runs as TrainConfig fields, for the simulator (workers, steps and evaluation left to the caller)
+TINY_FIELDS = {
+    "model": "nano",
+    "tokenizer": "byte",
+    "seq_len": 32,
+    "batch_size": 4,
+    "inner_steps": 8,
+    "fragments": 2,
+    "overlap": 2,
+    "eval_batches": 2,
+    "threads": 1,
+}
