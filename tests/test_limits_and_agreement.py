@@ -3,7 +3,7 @@ and made-up boards."""
 
 from __future__ import annotations
 
-from p2p_cocodc.swarm.agreement import Agreement, Reported
+from p2p_cocodc.swarm.agreement import KEEP, Agreement, Reported
 from p2p_cocodc.swarm.limits import MAX_TRACKED, Limits, PeerLimiter
 
 
@@ -114,10 +114,26 @@ def test_only_the_latest_digests_are_kept_and_forget_drops_them() -> None:
     mine = Agreement()
     for step in range(100):
         mine.record(step, f"{step:016x}")
-    assert len(mine.mine) == 16 and mine.latest() == (99, f"{99:016x}")
+    assert KEEP == 64 and len(mine.mine) == KEEP and mine.latest() == (99, f"{99:016x}")
     assert mine.earlier() == [[step, f"{step:016x}"] for step in range(92, 99)]
-    assert mine.compare({"p": at(10, "zz")}) == []  # too old to compare
+    assert mine.compare({"p": at(30, "zz")}) == []  # too old to compare
     assert mine.compare({"p": at(98, "zz"), "q": at(98, "zz")})[0].behind
+
+
+def test_the_digests_of_a_split_stay_published_while_kept() -> None:
+    """A drifter outvoted at step 8 resyncs and evaluates again: its digest of step 8 stays in its
+    record (with the most recent ones beside it) until it is no longer kept, so a peer that reads
+    the board late still sees the split (issue 19: an honest peer once recorded none)."""
+    mine = agreement(s8="xx")
+    assert mine.compare({"p": at(8, "aa"), "q": at(8, "aa")})[0].behind
+    mine.resynced()
+    for step in range(16, 16 + 8 * 12, 8):
+        mine.record(step, f"{step:016x}")
+    assert mine.latest()[0] == 104
+    assert [step for step, _ in mine.earlier()] == [8, 56, 64, 72, 80, 88, 96]  # without the split: 48-96
+    for step in range(112, 112 + 8 * KEEP, 8):  # once it is no longer kept, it is gone
+        mine.record(step, f"{step:016x}")
+    assert 8 not in mine.mine and 8 not in [step for step, _ in mine.earlier()]
 
 
 def test_after_a_resync_the_old_digests_are_still_compared_but_never_make_it_resync_again() -> None:

@@ -29,7 +29,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-KEEP = 16  # own digests kept: peers a few evaluations apart still compare
+# own digests kept: peers many evaluations apart still compare, so a split a drifter keeps published
+# (``earlier``) reaches a peer that reads it only once the drifter has taken the state (seconds)
+KEEP = 64
 PUBLISHED = 8  # digests a board record carries (its latest and the ones before it)
 DIGEST_CHARS = 16  # hex characters of sha256 published (64 bits: collisions are not the threat)
 
@@ -81,13 +83,14 @@ class Agreement:
     def __init__(self) -> None:
         self.mine: OrderedDict[int, str] = OrderedDict()
         self.history: set[int] = set()  # steps whose digest is of a θ̄ this peer held before a resync
+        self.split: set[int] = set()  # steps where some peer published another digest than ours
 
     def record(self, step: int, digest: str) -> None:
         self.mine[step] = digest[:DIGEST_CHARS]
         self.mine.move_to_end(step)
         self.history.discard(step)
         while len(self.mine) > KEEP:
-            self.mine.popitem(last=False)
+            self.split.discard(self.mine.popitem(last=False)[0])
 
     def latest(self) -> tuple[int, str]:
         """(step, digest) to publish; (-1, "") before the first evaluation."""
@@ -97,8 +100,16 @@ class Agreement:
         return step, self.mine[step]
 
     def earlier(self) -> list[list[int | str]]:
-        """The ``PUBLISHED - 1`` digests before the latest, oldest first, as [step, digest] pairs."""
-        return [[step, digest] for step, digest in list(self.mine.items())[-PUBLISHED:-1]]
+        """``PUBLISHED - 1`` digests before the latest, oldest first, as [step, digest] pairs: those of
+        steps where a split was seen first (they stay published while kept, so the split reaches a
+        peer that reads the board late, also once this peer has resynced and evaluated again), then
+        the most recent."""
+        before = list(self.mine)[:-1]
+        chosen = [step for step in before if step in self.split][-(PUBLISHED - 1) :]
+        recent = [step for step in before if step not in self.split]
+        room = PUBLISHED - 1 - len(chosen)
+        chosen += recent[-room:] if room else []
+        return [[step, self.mine[step]] for step in sorted(chosen)]
 
     def resynced(self) -> None:
         """This peer is taking the swarm's state. The digests it recorded so far stay, published and
@@ -114,6 +125,7 @@ class Agreement:
             disputed = tuple(sorted(p for p, d in votes.items() if d != mine))
             if not disputed:
                 continue
+            self.split.add(step)
             pending = sum(1 for r in others.values() if step not in r.digests and r.may_vote(step))
             tally = Counter(votes.values())
             tally[mine] += 1
