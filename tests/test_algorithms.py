@@ -12,7 +12,7 @@ from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_p
 from p2p_cocodc.algorithms.fragments import assign_units, make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
-from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, paced_spacing
+from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, delta_rms, paced_spacing
 from p2p_cocodc.algorithms.strategies import Strategy, make_strategy
 from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
@@ -161,7 +161,7 @@ def test_adaptive_schedule_bounds_staleness_and_never_resends_in_flight() -> Non
     for t in range(1, 400):
         for p in [p for p, due in in_flight.items() if due <= t]:
             del in_flight[p]
-            schedule.record_result(p, torch.randn(10, generator=gen) * (p + 1))
+            schedule.record_result(p, delta_rms(torch.randn(10, generator=gen) * (p + 1)))
         for p in schedule.select(t, in_flight.keys()):
             assert p not in in_flight
             in_flight[p] = t + tau
@@ -219,7 +219,7 @@ def test_adaptive_schedule_picks_highest_drift() -> None:
     # drift = rms(last Δ) · steps since send / last interval: [1·8/2, 5·6/4, 10·4/6] = [4, 7.5, 6.7]
     for p in range(3):
         schedule.record_send(p, 2 * (p + 1))
-        schedule.record_result(p, torch.full((4,), [1.0, 5.0, 10.0][p]))
+        schedule.record_result(p, delta_rms(torch.full((4,), [1.0, 5.0, 10.0][p])))
     assert schedule.select(10, ()) == [1]
     assert schedule.select(10, {1}) == [2]
     assert schedule.select(10, {1, 2}) == [0]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -108,6 +109,40 @@ class DeviceCopy:
         return self.tensor
 
 
+class StepTimer:
+    """Seconds per inner step, as the device ran them. A CUDA step runs after the call that queued
+    it returns (the host runs ahead), so there events are recorded before and after each step on
+    the stream, and a step's time is read between them once the device has passed both (time the
+    device sat idle between steps is not in it); elsewhere a step has run when its call returns,
+    and its time is the call's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.queued: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self.start: torch.cuda.Event | None = None
+
+    def step_starts(self) -> None:
+        """Before a step's call (in the thread that queues the step)."""
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def step_done(self, call_s: float) -> float | None:
+        """After a step's call (which took ``call_s``), in the same thread: the latest step time
+        known, if a new one is."""
+        if not self.cuda:
+            return call_s
+        assert self.start is not None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.queued.append((self.start, end))
+        measured = None
+        while self.queued and self.queued[0][1].query():
+            start, end = self.queued.popleft()
+            measured = start.elapsed_time(end) / 1000.0
+        return measured
+
+
 @dataclass
 class Placement:
     """A replica's device and inner precision; copies to and from the device (module docstring)."""
@@ -137,9 +172,21 @@ class Placement:
             yield
 
     def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch on the device. On CUDA it goes through pinned memory: a copy from pageable
+        memory may wait for the device to finish its queued work, and the host must not."""
         if self.device.type == "cpu":
             return x, y
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def reserve_host_memory(self, sizes: list[int]) -> None:
+        """Take the pinned host memory the copies of fp32 vectors of these sizes need (a snapshot
+        on its way to the host and a θ̄ on its way back, for each) before training, so no
+        boundary ever waits for the driver to pin memory: torch keeps freed pinned blocks for reuse."""
+        if self._side is not None:
+            blocks = [torch.empty(n, pin_memory=True) for n in sizes for _ in range(2)]
+            del blocks
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         """Start copying ``tensor`` (a fresh device tensor, not written again) to host memory."""

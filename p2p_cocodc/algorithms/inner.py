@@ -45,7 +45,12 @@ class InnerTrainer:
     """One replica's model and AdamW on ``placement``'s device; forward/backward in its precision
     (parameters and AdamW stay fp32). ``backward`` and ``update`` are split so DDP can average
     grads. ``forward`` is the module the inner steps call: the model, or a wrapper of it (a region
-    of several processes wraps it in torch's DistributedDataParallel)."""
+    of several processes wraps it in torch's DistributedDataParallel).
+
+    A step returns its loss as a 0-dim tensor on the device, not read: reading it (``float``) makes
+    the host wait for the device to finish the step, so a driver reads it where it needs the value
+    and lets the device run ahead meanwhile. On CUDA, AdamW is torch's fused kernel; elsewhere its
+    default (per-tensor loops over lists), whose float ops the golden traces pin."""
 
     def __init__(self, model: nn.Module, settings: InnerSettings, placement: Placement | None = None) -> None:
         self.model = model
@@ -58,10 +63,14 @@ class InnerTrainer:
         """A fresh AdamW (no moments): the inner optimizer of a replica that starts anew."""
         s = self.settings
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=s.lr, betas=(s.beta1, s.beta2), weight_decay=s.weight_decay
+            self.model.parameters(),
+            lr=s.lr,
+            betas=(s.beta1, s.beta2),
+            weight_decay=s.weight_decay,
+            fused=True if self.placement.device.type == "cuda" else None,
         )
 
-    def backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         x, y = self.placement.batch(x, y)
@@ -69,7 +78,7 @@ class InnerTrainer:
             logits = self.forward(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         loss.backward()
-        return float(loss.detach())
+        return loss.detach()
 
     def update(self, step: int) -> None:
         if self.settings.grad_clip > 0:
@@ -78,7 +87,7 @@ class InnerTrainer:
             group["lr"] = self.settings.lr_at(step)
         self.optimizer.step()
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
         loss = self.backward(x, y)
         self.update(step)
         return loss
@@ -109,7 +118,10 @@ class InnerTrainer:
             for name in ("exp_avg", "exp_avg_sq"):
                 expect_tensor(saved[name], params[i].detach(), f"AdamW {name} of parameter {i}")
             moments[i] = saved
-        groups = [{**g, "betas": tuple(g["betas"])} for g in state["adamw"]["param_groups"]]
+        # how the update runs (fused, foreach) is this device's choice, not the saved run's
+        ours = self.optimizer.param_groups[0]
+        how = {k: ours[k] for k in ("fused", "foreach", "capturable") if k in ours}
+        groups = [{**g, "betas": tuple(g["betas"]), **how} for g in state["adamw"]["param_groups"]]
         self.optimizer.load_state_dict({"state": moments, "param_groups": groups})
 
 

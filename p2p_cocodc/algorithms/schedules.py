@@ -18,12 +18,20 @@ MAX_PACE_PERIODS = 4  # a paced schedule sends at least once every 4·H steps
 PACE_HEADROOM = 1.25  # a paced schedule keeps a link busy at most 1/1.25 = 80 % of the time
 
 
+def delta_rms(delta: torch.Tensor) -> float:
+    """rms(Δ) = sqrt(Σ Δ² / n), summed in fp64: the size of an averaged outer gradient, which
+    CoCoDC's drift score uses. O(n) work on the CPU: a driver computes it off its training thread."""
+    return math.sqrt(float(delta.double().square().sum()) / delta.numel())
+
+
 class Schedule(Protocol):
+    scores_results: bool  # record_result wants rms(averaged Δ_p) (``delta_rms``); else it gets None
+
     def select(self, step: int, in_flight: Collection[int]) -> list[int]: ...
 
     def record_send(self, fragment: int, step: int) -> None: ...
 
-    def record_result(self, fragment: int, delta: torch.Tensor) -> None: ...
+    def record_result(self, fragment: int, rms: float | None) -> None: ...
 
     def set_spacing(self, spacing: int) -> None: ...
 
@@ -41,6 +49,8 @@ class FixedSchedule:
     same timetable. K = 1 sends the whole model every H steps: DiLoCo.
     """
 
+    scores_results = False
+
     def __init__(self, inner_steps: int, num_fragments: int) -> None:
         self.period = inner_steps
         self.spacing = inner_steps // num_fragments
@@ -55,7 +65,7 @@ class FixedSchedule:
     def record_send(self, fragment: int, step: int) -> None:
         """Fixed offsets need no memory of past sends."""
 
-    def record_result(self, fragment: int, delta: torch.Tensor) -> None:
+    def record_result(self, fragment: int, rms: float | None) -> None:
         """Fixed offsets ignore the results."""
 
     def set_spacing(self, spacing: int) -> None:
@@ -87,6 +97,8 @@ class AdaptiveSchedule:
     every replica learns at the same step (in a swarm, with a round's average; see ``paced_spacing``);
     it is never narrower than ⌊H/N⌋, and it is part of the state.
     """
+
+    scores_results = True
 
     def __init__(self, inner_steps: int, num_fragments: int, transmissions: int) -> None:
         self.inner_steps = inner_steps
@@ -120,9 +132,12 @@ class AdaptiveSchedule:
         self.last_send[fragment] = step
         self.sent[fragment] = True
 
-    def record_result(self, fragment: int, delta: torch.Tensor) -> None:
-        """Remember the size of the averaged outer gradient: the drift estimate for the score."""
-        self.last_rms[fragment] = math.sqrt(float(delta.double().square().sum()) / delta.numel())
+    def record_result(self, fragment: int, rms: float | None) -> None:
+        """Remember the size of the averaged outer gradient (``delta_rms``): the drift estimate for
+        the score."""
+        if rms is None:
+            raise ValueError("an adaptive schedule scores fragments by rms(Δ): record_result needs it")
+        self.last_rms[fragment] = rms
 
     def set_spacing(self, spacing: int) -> None:
         """Send slots every ``spacing`` steps from now on (slots are the multiples of it), kept within

@@ -29,7 +29,13 @@ from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_p
 from p2p_cocodc.algorithms.devices import DeviceCopy, Placement
 from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings, OuterStep
-from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, Schedule, paced_spacing
+from p2p_cocodc.algorithms.schedules import (
+    AdaptiveSchedule,
+    FixedSchedule,
+    Schedule,
+    delta_rms,
+    paced_spacing,
+)
 from p2p_cocodc.algorithms.state import expect_tensor
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import ALGORITHMS, DC_RULES
@@ -110,6 +116,7 @@ class PreparedResult:
     outer: OuterStep
     on_device: DeviceCopy
     base: torch.Tensor  # the θ̄_p it was computed from: stale if θ̄_p changed since
+    rms: float | None  # rms(averaged Δ_p), for a schedule that scores fragments by it (else None)
 
 
 class ReplicaStrategy:
@@ -211,13 +218,15 @@ class Strategy(ReplicaStrategy):
         return [p for _, p in sorted(ready)]
 
     def prepare(self, p: int, averaged: torch.Tensor) -> PreparedResult:
-        """The outer step an averaged Δ_p leads to, computed now without changing θ̄, and the new
-        θ̄_p's copy to the device started: what ``apply`` does first, for a driver that gets the
-        result before it is due and must not spend the training thread's time on it."""
+        """The outer step an averaged Δ_p leads to, computed now without changing θ̄, the new θ̄_p's
+        copy to the device started, and rms(Δ_p) for an adaptive schedule: what ``apply`` does
+        first, for a driver that gets the result before it is due and must not spend the training
+        thread's (or its event loop's) time on it."""
         outer = self.outer[p]
         step = outer.peek(averaged)
         on_device = self.placement.to_device(step.global_params)
-        return PreparedResult(averaged, step, on_device, outer.global_params)
+        score = delta_rms(averaged) if self.schedule.scores_results else None
+        return PreparedResult(averaged, step, on_device, outer.global_params, score)
 
     def apply(self, p: int, averaged: torch.Tensor | PreparedResult, step: int, spacing: int = 0) -> None:
         """Outer step on θ̄_p with the averaged Δ_p (or the step ``prepare`` computed from it), then
@@ -232,7 +241,7 @@ class Strategy(ReplicaStrategy):
         self.outer[p].take(averaged.outer)
         fragment = self.fragments[p]
         fragment.write(self.merge(fragment, averaged.on_device.get(), pending, step))
-        self.schedule.record_result(p, averaged.averaged)
+        self.schedule.record_result(p, averaged.rms)
         if spacing:
             self.schedule.set_spacing(spacing)
 

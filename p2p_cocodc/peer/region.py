@@ -186,9 +186,9 @@ class Region:
         n = x.shape[0] // self.world
         return x[self.rank * n : (self.rank + 1) * n], y[self.rank * n : (self.rank + 1) * n]
 
-    def mean(self, loss: float, device: torch.device) -> float:
+    def mean(self, loss: torch.Tensor, device: torch.device) -> float:
         """The mean of every rank's loss: the region batch's loss."""
-        value = torch.tensor([loss], dtype=torch.float64, device=device)
+        value = loss.to(device, torch.float64).reshape(1)
         dist.all_reduce(value)
         return float(value) / self.world
 

@@ -4,7 +4,9 @@ peer, one replica trained against the swarm on the wall clock.
 - Each inner step runs in a dedicated training thread, so the event loop stays free to serve the
   other peers' fragment exchanges (ddp: the gradient round runs between backward and update).
 - A send takes only the snapshot between steps (on the device); the copy to the host, the outer
-  gradient, the round and the outer step its result leads to run in the sync's task.
+  gradient, the round, the outer step its result leads to and the schedule's score of it run in
+  the sync's task, in worker threads: never on the event loop, which the next step waits for. What
+  is left between two steps (the snapshot, the merge) is timed: ``sync_boundary_s``.
 - A result due is waited for (the wait is the recorded stall), then merged; a round that failed on
   every peer alike is abandoned alike (θ̄ stays identical); one the others completed without this
   peer (``RoundLost``) leaves θ̄ behind theirs, so the replica takes the swarm's state again
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from p2p_cocodc.algorithms.devices import HostCopy, peak_memory_bytes
+from p2p_cocodc.algorithms.devices import HostCopy, StepTimer, peak_memory_bytes
 from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, PreparedResult
 from p2p_cocodc.errors import UserError
@@ -84,7 +86,9 @@ class SwarmReplica:
         self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
         self.step = 0
         self.step_time_s = step_time_s or 0.0
+        self.step_timer = StepTimer(setup.placement.device)
         self.stall_s = 0.0
+        self.boundary_s = 0.0  # time between steps spent on sync work (snapshot, send, merge), waits left out
         self.eval_s = 0.0  # evaluation time, kept out of the training throughput
         self.steps_trained = 0  # inner steps this process trained (a joiner's run starts past step 0)
         self.train_started: float | None = None  # perf_counter when training began (after the wait)
@@ -154,8 +158,12 @@ class SwarmReplica:
         wait for peers comes before): what the summary reports and the record shows meanwhile."""
         if self.train_started is None:
             return 0.0
-        training_s = time.perf_counter() - self.train_started - self.eval_s
-        return self.steps_trained * self.cfg.batch_size * self.cfg.seq_len / max(training_s, 1e-9)
+        return self.steps_trained * self.cfg.batch_size * self.cfg.seq_len / max(self.training_s(), 1e-9)
+
+    def training_s(self) -> float:
+        """Seconds since training began, evaluations left out."""
+        assert self.train_started is not None
+        return time.perf_counter() - self.train_started - self.eval_s
 
     # ---- state: checkpoints, a joiner's, a resumed run's ----
 
@@ -234,6 +242,7 @@ class SwarmReplica:
         """From now on this replica trains (``tokens_per_s`` counts from here): its data shard read."""
         assert self.shard_index is not None
         self.data = self.setup.shard(self.shard_index, self.cfg.data_shards)
+        self.setup.placement.reserve_host_memory([f.numel for f in self.strategy.fragments])
         self.train_started = time.perf_counter()
 
     def stop_signal(self) -> str | None:
@@ -249,14 +258,17 @@ class SwarmReplica:
 
     async def train_step(self, step: int) -> float:
         assert self.data is not None
+        self.step_timer.step_starts()
         started = time.perf_counter()
         loss = await self._inner_step(step, *self.data.batch(step - 1))
-        elapsed = time.perf_counter() - started
-        self.step_time_s = elapsed if step == 1 else 0.9 * self.step_time_s + 0.1 * elapsed
+        elapsed = self.step_timer.step_done(time.perf_counter() - started)
+        if elapsed is not None:
+            first = step == 1 or self.step_time_s == 0.0
+            self.step_time_s = elapsed if first else 0.9 * self.step_time_s + 0.1 * elapsed
         self.steps_trained += 1
         return loss
 
-    async def _inner_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float:
+    async def _inner_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float | torch.Tensor:
         if self.region is not None:
             region = self.region
             return await self.compute(region.lead_step, self.trainer, self.shard_index, x, y, step)
@@ -295,17 +307,22 @@ class SwarmReplica:
         """Start the sync of fragment ``p`` after ``step``. Between two steps only the snapshot is
         taken (on the device); its copy to the host, the outer gradient, the exchange and the outer
         step the result leads to run in the sync's task (``_sync``)."""
+        started = time.perf_counter()
         snapshot = self.setup.placement.to_host(self.strategy.send(p, step))  # type: ignore[attr-defined]
         self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, self._pace_wish()))
+        self.boundary_s += time.perf_counter() - started
 
     async def _sync(self, p: int, step: int, snapshot: HostCopy, pace: int) -> PreparedResult:
-        """One fragment sync, off the training thread: Δ_p = θ̄_p − θ_p from the snapshot's host
-        copy, the round, then the result prepared for ``Strategy.apply`` (the outer step on the
-        CPU, the new θ̄_p copied to the device) so that applying it between two steps costs only
-        the merge."""
-        host = snapshot.tensor if snapshot.done() else await asyncio.to_thread(snapshot.wait)
-        vector = self.strategy.outer_gradient(p, host)  # type: ignore[attr-defined]
-        return await self._round(p, step, vector, pace)
+        """One fragment sync, off the training thread and the event loop: Δ_p = θ̄_p − θ_p from
+        the snapshot's host copy (in a worker thread), the round, then the result prepared for
+        ``Strategy.apply`` (the outer step on the CPU, the new θ̄_p copied to the device) so that
+        applying it between two steps costs only the merge."""
+        strategy = self.strategy
+
+        def outer_gradient() -> torch.Tensor:
+            return strategy.outer_gradient(p, snapshot.wait())  # type: ignore[attr-defined]
+
+        return await self._round(p, step, await asyncio.to_thread(outer_gradient), pace)
 
     async def _round(self, p: int, sent_step: int, vector: torch.Tensor, pace: int | None) -> PreparedResult:
         """The round of fragment p sent after ``sent_step``: with ``vector`` and the ``pace`` this
@@ -345,6 +362,15 @@ class SwarmReplica:
         self.presence.check()
         if not task.done():
             return False
+        started = time.perf_counter()
+        try:
+            return self._apply_result(p, step, task)
+        finally:
+            self.boundary_s += time.perf_counter() - started
+
+    def _apply_result(self, p: int, step: int, task: asyncio.Task[PreparedResult]) -> bool:
+        """Fold the sync of fragment ``p``, done, into the replica (or abandon it, if it failed)."""
+        assert self.exchange is not None
         del self.pending[p]
         strategy = self.strategy
         round_id = fragment_round(p, strategy.in_flight[p].sent_step)
@@ -498,6 +524,8 @@ class SwarmReplica:
         return {
             "bytes_sent": stats.bytes_sent,
             "stall_s": self.stall_s,
+            "sync_boundary_s": self.boundary_s,
+            "sync_boundary_share": self.boundary_s / max(self.training_s(), 1e-9),
             "wall_time_s": time.perf_counter() - self.train_started,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s(),

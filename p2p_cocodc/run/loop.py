@@ -6,13 +6,18 @@ clock: ``run/simulator.py``) and the peer (one replica, the swarm, the wall cloc
 
     while steps remain and no stop was asked for:
         driver.before_step()                      # the peer: is it still in the swarm?
+        read the losses of steps ≤ t-2; finite?   # else: "training diverged"
         loss = driver.train_step(t)               # every local replica (ddp: its gradient round)
-        loss must be finite                       # else: "training diverged"
-        apply due results; send; apply due results   (the contract in ``algorithms/strategies.py``)
+        apply due results; [read every loss;] send; apply due results   (``algorithms/strategies.py``)
         driver.after_boundary(t)                  # joiners replayed, exclusions, state server
         evaluate θ̄ every --eval-every steps and at the end
         checkpoint when due
     driver.finish(); evaluate if the last step was not; the summary (and --save) once
+
+A step's loss may come back unread (a tensor on the replica's device): reading it makes the host
+wait for the device to finish that step. So the loop reads a loss two steps late, and the device
+has a step queued while the host does the boundary's work; every loss is read before a send (a
+replica whose loss is not finite sends nothing), an evaluation, a checkpoint and the end.
 
 A replica that learns its θ̄ is no longer the swarm's raises ``Rejoin`` (the driver takes the
 state again and the loop goes on from the step it took); one whose syncs keep failing raises
@@ -38,6 +43,11 @@ from p2p_cocodc.run.records import Records
 from p2p_cocodc.run.setup import TrainingSetup, save_run, summary_record
 
 log = logging.getLogger(__name__)
+
+
+def read_losses(losses: list[float | torch.Tensor]) -> list[float]:
+    """The values of losses a driver returned (a tensor is read from its device: a wait for it)."""
+    return [float(loss) for loss in losses]
 
 
 class Rejoin(Exception):
@@ -93,8 +103,8 @@ class Driver(Protocol):
 
     async def before_step(self) -> None: ...
 
-    async def train_step(self, step: int) -> float:
-        """One inner step of every local replica; the mean train loss."""
+    async def train_step(self, step: int) -> float | torch.Tensor:
+        """One inner step of every local replica; the mean train loss (a tensor: not read yet)."""
 
     def due(self, step: int) -> list[int]: ...
 
@@ -158,6 +168,7 @@ class ReplicaLoop:
         self.checkpoints = checkpoints
         self.checkpointed: tuple[int, Path] | None = None  # the step and folder of the last checkpoint
         self.train_losses: list[float] = []  # since the last evaluation
+        self.unread: list[tuple[int, float | torch.Tensor]] = []  # (step, loss) of losses not read yet
 
     async def run(self, resumed: bool = False) -> dict[str, Any]:
         """A resumed run first writes the records of the steps before its checkpoint (``--out``
@@ -172,6 +183,7 @@ class ReplicaLoop:
         while True:
             received = driver.stop_signal()
             if received is not None:
+                await self._read_losses()
                 written = None
                 if self.checkpoints is not None:
                     done = self.checkpointed is not None and self.checkpointed[0] == driver.step
@@ -183,12 +195,8 @@ class ReplicaLoop:
             step = driver.step + 1
             try:
                 await driver.before_step()
-                loss = await driver.train_step(step)
-                if not math.isfinite(loss):
-                    raise UserError(
-                        f"training diverged at step {step} (loss {loss}): lower --lr or --outer-lr"
-                    )
-                self.train_losses.append(loss)
+                await self._read_losses(keep=1)  # the device may still run step - 1
+                self.unread.append((step, await driver.train_step(step)))
                 driver.step = step
                 await self._boundary(step)
             except Rejoin as exc:
@@ -219,7 +227,10 @@ class ReplicaLoop:
         due at once (τ = 0) is applied too (a wait a stop interrupted ends it)."""
         if not await self._apply_due(step):
             return
-        for p in self.driver.sends_after(step):
+        sends = self.driver.sends_after(step)
+        if sends:
+            await self._read_losses()
+        for p in sends:
             self.driver.send(p, step)
         await self._apply_due(step)
 
@@ -229,8 +240,22 @@ class ReplicaLoop:
                 return False
         return True
 
+    async def _read_losses(self, keep: int = 0) -> None:
+        """Read every unread loss but the last ``keep`` (in the driver's training thread: it waits
+        for the device to finish those steps); UserError at the first that is not finite."""
+        ready = self.unread[: len(self.unread) - keep]
+        if not ready:
+            return
+        del self.unread[: len(ready)]
+        values = await self.driver.compute(read_losses, [loss for _, loss in ready])
+        for (step, _), loss in zip(ready, values, strict=True):
+            if not math.isfinite(loss):
+                raise UserError(f"training diverged at step {step} (loss {loss}): lower --lr or --outer-lr")
+            self.train_losses.append(loss)
+
     async def _evaluate(self, step: int) -> dict[str, Any]:
         """Validation loss of θ̄ after ``step``, with the run's clock, train loss, bytes and stall."""
+        await self._read_losses()
         self.progress.evaluating()
         driver = self.driver
         state = driver.global_state()
@@ -251,6 +276,7 @@ class ReplicaLoop:
 
     async def _checkpoint(self) -> Path:
         assert self.checkpoints is not None
+        await self._read_losses()
         step = self.driver.step
         state = self.driver.checkpoint_state()
         path = await self.driver.compute(self.checkpoints.write, step, state)

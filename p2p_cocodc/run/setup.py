@@ -222,10 +222,10 @@ def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:
 
 def measure_step_time(trainer: InnerTrainer, shard: Shard, repeats: int = 3) -> float:
     """Median seconds of one inner step of a throwaway trainer (a replica's is left untouched)."""
-    trainer.step(*shard.batch(0), 1)  # warm-up: allocations, kernels
+    float(trainer.step(*shard.batch(0), 1))  # warm-up: allocations, kernels
     times = []
     for i in range(repeats):
         started = time.perf_counter()
-        trainer.step(*shard.batch(i + 1), 1)
+        float(trainer.step(*shard.batch(i + 1), 1))  # float: the step has run on the device
         times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2]

@@ -190,7 +190,7 @@ class Simulation:
         """One inner step on every replica (with ddp, the gradient round between backward and
         update), then the clock moves on by a step's time."""
         started = time.perf_counter()
-        losses = [w.trainer.backward(*w.shard.batch(step - 1)) for w in self.workers.values()]
+        losses = [float(w.trainer.backward(*w.shard.batch(step - 1))) for w in self.workers.values()]
         # a gradient round the replayed swarm failed: every peer skipped the step's update
         skipped = self._any_worker().strategy.averages_gradients and not self._average_gradients(step)
         if not skipped:

@@ -601,8 +601,8 @@ class RoundMachine:
             return
         self.phase = Phase.RUNNING
         self.adopted_at = max(self.adopted_at, self.started_at)
-        if len(self.members) == 1:
-            self._settle(Completed(self.vector.clone(), self.members, self.pace, by_butterfly=True), now, out)
+        if len(self.members) == 1:  # the average is our own vector (read only, never written: no copy)
+            self._settle(Completed(self.vector, self.members, self.pace, by_butterfly=True), now, out)
             return
         self.sizes = slice_sizes(self.vector.numel(), len(self.members), self.codec.block)
         for sender in list(self.parts):
