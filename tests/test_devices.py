@@ -74,6 +74,22 @@ def test_an_outer_step_computed_ahead_is_the_same_bits_as_one_applied_in_place()
         assert torch.equal(ahead.momentum, in_place.momentum)
 
 
+def test_the_outer_step_writes_into_two_pairs_of_buffers_and_matches_torch_sgd() -> None:
+    initial = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    outer = OuterOptimizer(initial, OuterSettings(lr=0.7, momentum=0.9))
+    param = torch.nn.Parameter(initial.clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    seen = set()
+    for seed in range(6):
+        delta = torch.randn(1000, generator=torch.Generator().manual_seed(seed + 1))
+        outer.step(delta)
+        param.grad = delta.clone()
+        sgd.step()
+        torch.testing.assert_close(outer.global_params, param.detach(), rtol=0, atol=1e-6)
+        seen.add(outer.global_params.data_ptr())
+    assert len(seen) == 2  # no new fragment-sized buffer after the first step
+
+
 def test_a_prepared_result_applies_like_the_averaged_delta_and_a_stale_one_is_prepared_again() -> None:
     setup = TrainingSetup(SMALL)
     settings = SMALL.algo_settings()
@@ -89,7 +105,8 @@ def test_a_prepared_result_applies_like_the_averaged_delta_and_a_stale_one_is_pr
     for strategy in replicas:
         strategy.payload(0, 4)
     stale = first.prepare(0, averaged)
-    for strategy in replicas:
+    for strategy in replicas:  # twice: θ̄_p lives again in the buffer it lived in when prepared
+        strategy.outer[0].step(torch.ones_like(averaged))
         strategy.outer[0].step(torch.ones_like(averaged))
     first.apply(0, stale, 6)
     second.apply(0, averaged, 6)

@@ -69,6 +69,9 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
     assert sorted(s["shard"] for s in summaries) == [0, 1, 2]
     # every fragment synced several times, every round complete on every peer
     assert all(s["rounds_done"] >= 6 and s["rounds_failed"] == 0 for s in summaries)
+    # the sync work between steps (snapshots, merges) is timed, apart from the waits for results
+    assert all(0 < s["sync_boundary_s"] < s["wall_time_s"] for s in summaries)
+    assert all(0 < s["sync_boundary_share"] < 1 for s in summaries)
     assert len({s["global_params_sha256"] for s in summaries}) == 1
     assert all(s["final_val_ppl"] < s["initial_val_ppl"] * 0.8 for s in summaries)
     # the simulator models the butterfly as 2(M−1)/M of the payload; real slices differ by rounding

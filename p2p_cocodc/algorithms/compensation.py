@@ -23,15 +23,15 @@ def compensate_per_tensor(
 ) -> list[torch.Tensor]:
     """The CoCoDC authors' rule, per tensor: λ = λ0‖g‖/(‖c‖+ε), θ ← z − (g + λc), c = g⊙g⊙(z − snap).
 
-    The correction λc therefore has norm λ0‖g‖ (up to ε) and the direction of c.
+    The correction λc therefore has norm λ0‖g‖ (up to ε) and the direction of c. Computed with
+    torch's list ops (``_foreach_*``): on a GPU a handful of kernels for all the tensors, not a
+    dozen per tensor; on the CPU the same float ops, tensor by tensor, as the plain loop.
     """
-    out = []
-    for z_i, snap_i, now_i in zip(z, snap, now, strict=True):
-        g = snap_i - now_i
-        c = g * g * (z_i - snap_i)
-        lam = lam0 * g.norm() / (c.norm() + EPS)
-        out.append(z_i - (g + lam * c))
-    return out
+    g = torch._foreach_sub(list(snap), list(now))
+    c = torch._foreach_mul(torch._foreach_mul(g, g), torch._foreach_sub(list(z), list(snap)))
+    lam = torch.stack(torch._foreach_norm(g)).mul_(lam0).div_(torch.stack(torch._foreach_norm(c)).add_(EPS))
+    correction = torch._foreach_add(g, torch._foreach_mul(c, list(lam.unbind())))
+    return torch._foreach_sub(list(z), correction)
 
 
 def compensate_per_step(

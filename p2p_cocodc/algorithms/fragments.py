@@ -40,9 +40,10 @@ class Fragment:
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])
 
     def write(self, flat: torch.Tensor) -> None:
+        """Copy a fragment-shaped vector into the live parameters (one list copy for them all)."""
         with torch.no_grad():
-            for p, chunk in zip(self.params, flat.split(self.sizes), strict=True):
-                p.copy_(chunk.view_as(p))
+            chunks = [chunk.view_as(p) for p, chunk in zip(self.params, flat.split(self.sizes), strict=True)]
+            torch._foreach_copy_(self.params, chunks)
 
     def per_tensor(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Views of a fragment-shaped vector, one per parameter tensor."""

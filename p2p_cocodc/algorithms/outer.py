@@ -32,12 +32,22 @@ class OuterStep:
 
 
 class OuterOptimizer:
-    """θ̄ ← θ̄ − η(Δ + μb) with b ← μb + Δ (torch SGD nesterov semantics); Δ = θ̄ − mean θ."""
+    """θ̄ ← θ̄ − η(Δ + μb) with b ← μb + Δ (torch SGD nesterov semantics); Δ = θ̄ − mean θ.
+
+    Double-buffered: ``peek`` writes the next θ̄ and b into a spare pair of buffers, ``take`` makes
+    them the state and the old pair the spare, so a sync allocates and frees no fragment-sized
+    memory (on a big model, page faults and unmaps that hold the interpreter's lock while the
+    training thread wants it). The price: a ``peek``'s tensors hold only until the next ``peek``, and
+    θ̄ and b as they were before a ``take`` only until the ``peek`` after it; whoever keeps them
+    longer (a checkpoint, a joiner's state) copies them."""
 
     def __init__(self, initial: torch.Tensor, settings: OuterSettings) -> None:
         self.settings = settings
         self.global_params = initial.detach().to("cpu", torch.float32, copy=True)
         self.momentum = torch.zeros_like(self.global_params)
+        self.spare: OuterStep | None = None  # what the next peek writes into (allocated at the first)
+        self.changes = 0  # peeks, takes and loads so far: a peek is current while this stays as it left it
+        self.scratch: torch.Tensor | None = None  # Nesterov's update, computed before it is applied
 
     def step(self, delta: torch.Tensor) -> torch.Tensor:
         """Apply one averaged outer gradient; returns θ̄ (the new global fragment)."""
@@ -49,16 +59,27 @@ class OuterOptimizer:
         optimizer is unchanged (a driver may compute them early, off its training thread, and
         ``take`` them when the result is due). The same float ops as in-place: the same bits."""
         s = self.settings
+        self.changes += 1
+        if self.spare is None:
+            self.spare = OuterStep(torch.empty_like(self.global_params), torch.empty_like(self.momentum))
+        spare = self.spare
         grad = delta.float() / s.gap_penalty if s.gap_penalty != 1.0 else delta.float()
-        momentum = self.momentum.mul(s.momentum).add_(grad)
+        momentum = torch.mul(self.momentum, s.momentum, out=spare.momentum).add_(grad)
         if s.momentum_clip is not None:
             momentum.clamp_(-s.momentum_clip, s.momentum_clip)
-        update = grad.add(momentum, alpha=s.momentum) if s.nesterov else momentum
-        return OuterStep(self.global_params.sub(update, alpha=s.lr), momentum)
+        update = momentum
+        if s.nesterov:
+            if self.scratch is None:
+                self.scratch = torch.empty_like(self.global_params)
+            update = torch.add(grad, momentum, alpha=s.momentum, out=self.scratch)
+        return OuterStep(torch.sub(self.global_params, update, alpha=s.lr, out=spare.global_params), momentum)
 
     def take(self, step: OuterStep) -> None:
-        """Make a ``peek`` of this optimizer's current state the state."""
+        """Make a ``peek`` of this optimizer's current state the state (its buffers become the spare)."""
+        old = OuterStep(self.global_params, self.momentum)
         self.global_params, self.momentum = step.global_params, step.momentum
+        self.spare = old
+        self.changes += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """θ̄ and the momentum buffer: the live fp32 tensors, not copies (a writer copies them)."""
@@ -68,3 +89,4 @@ class OuterOptimizer:
         """Copy in θ̄ and the momentum buffer of a ``state_dict()``; shapes must match this fragment."""
         for name, target in self.state_dict().items():
             target.copy_(expect_tensor(state[name], target, name))
+        self.changes += 1

@@ -115,7 +115,7 @@ class PreparedResult:
     averaged: torch.Tensor
     outer: OuterStep
     on_device: DeviceCopy
-    base: torch.Tensor  # the θ̄_p it was computed from: stale if θ̄_p changed since
+    changes: int  # the outer optimizer's ``changes`` after the peek: stale if it moved since
     rms: float | None  # rms(averaged Δ_p), for a schedule that scores fragments by it (else None)
 
 
@@ -226,7 +226,7 @@ class Strategy(ReplicaStrategy):
         step = outer.peek(averaged)
         on_device = self.placement.to_device(step.global_params)
         score = delta_rms(averaged) if self.schedule.scores_results else None
-        return PreparedResult(averaged, step, on_device, outer.global_params, score)
+        return PreparedResult(averaged, step, on_device, outer.changes, score)
 
     def apply(self, p: int, averaged: torch.Tensor | PreparedResult, step: int, spacing: int = 0) -> None:
         """Outer step on θ̄_p with the averaged Δ_p (or the step ``prepare`` computed from it), then
@@ -235,7 +235,7 @@ class Strategy(ReplicaStrategy):
         on."""
         if not isinstance(averaged, PreparedResult):
             averaged = self.prepare(p, averaged)
-        elif averaged.base is not self.outer[p].global_params:  # θ̄_p changed since: prepare it again
+        elif averaged.changes != self.outer[p].changes:  # θ̄_p changed, or was peeked, since: again
             averaged = self.prepare(p, averaged.averaged)
         pending = self.in_flight.pop(p)
         self.outer[p].take(averaged.outer)

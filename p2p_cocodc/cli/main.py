@@ -348,10 +348,14 @@ def report_peer(summary: dict[str, Any], steps: int) -> None:
         if summary["stopped_by"] is not None:  # by convention: 128 + the signal (130, 143)
             sys.exit(128 + signal.Signals[summary["stopped_by"]])
         return
+    share = summary["sync_boundary_share"]  # sync work between steps: shown once it costs training time
+    boundary = ""
+    if share > 0.01:
+        boundary = f", sync work between steps {summary['sync_boundary_s']:.1f} s ({share:.0%} of training)"
     facts = (
         f"final val ppl {summary['final_val_ppl']:.3f} (from {summary['initial_val_ppl']:.1f}), "
         f"{summary['bytes_sent'] / 1e6:.2f} MB sent, stalled {summary['stall_s']:.1f} s of "
-        f"{summary['wall_time_s']:.1f} s{skipped}; θ̄ sha256 {summary['global_params_sha256'][:16]}"
+        f"{summary['wall_time_s']:.1f} s{boundary}{skipped}; θ̄ sha256 {summary['global_params_sha256'][:16]}"
     )
     if summary["theta_disputed"]:
         # it ends with the majority's θ̄, yet the swarm did not hold one θ̄ throughout: no success line
