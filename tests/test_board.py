@@ -4,9 +4,11 @@ once another node holds it, and the bounds derived from hivemind's own request p
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from p2p_cocodc.swarm import records
 from p2p_cocodc.swarm.dht import p2pd_socket, rpc_timeout_s, start_dht, stop_dht, store_limit_s
@@ -24,6 +26,28 @@ def dhts():
     sockets = [p2pd_socket(d) for d in nodes]
     yield nodes
     for dht, path in zip(reversed(nodes), reversed(sockets), strict=True):
+        stop_dht(dht, path)
+
+
+def private_bytes(pid: int) -> int:
+    """A process's unique memory (USS): its private pages, clean and dirty."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+    )
+    return sum(int(fields[k].split()[0]) * 1024 for k in ("Private_Clean", "Private_Dirty"))
+
+
+def test_the_dht_process_gives_up_the_buffers_its_parent_goes_on_writing() -> None:
+    """The DHT runs in a process forked from the peer: without giving them up, a model's pages the
+    peer writes after the fork (here 384 MB) would become the DHT process's own copies."""
+    buffer = torch.ones(96 << 20)
+    dht = start_dht([], "127.0.0.1", 0, left_to_parent=[(buffer.data_ptr(), buffer.nbytes)])
+    path = p2pd_socket(dht)
+    try:
+        buffer.add_(1.0)  # every page written after the fork
+        assert private_bytes(dht.pid) < 300 << 20
+        assert float(buffer[-1]) == 2.0  # the parent's buffer is whole
+    finally:
         stop_dht(dht, path)
 
 

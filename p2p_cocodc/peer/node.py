@@ -253,6 +253,7 @@ class Peer:
                     self.opts.identity,
                     self.membership,
                     protected=[peers_key(self.opts.run_id)],
+                    left_to_parent=self.replica.host_buffers(),
                 )
                 daemon_socket = p2pd_socket(dht)
                 p2p = self.p2p = await dht.replicate_p2p()

@@ -195,6 +195,18 @@ class SwarmReplica:
         self.records.kept = list(state["records"])
         torch.set_rng_state(expect_tensor(state["rng"]["torch"], torch.get_rng_state(), "torch RNG state"))
 
+    def host_buffers(self) -> list[tuple[int, int]]:
+        """The memory (address, bytes) of this replica's tensors in host memory: the model as built,
+        the replica and its evaluation copy where they train on the CPU, θ̄ and the outer momentum."""
+        tensors = [
+            *self.setup.base.state_dict().values(),
+            *self.eval_model.state_dict().values(),
+            *self.trainer.model.state_dict().values(),
+            *[t for outer in self.strategy.state_dict().get("outer", []) for t in outer.values()],
+        ]
+        storages = [t.untyped_storage() for t in tensors if t.device.type == "cpu"]
+        return [(s.data_ptr(), s.nbytes()) for s in storages]
+
     def shared_state(self) -> dict[str, Any]:
         """A copy of what every live peer holds identically now, for a joiner (a step boundary)."""
         return {"strategy": copy.deepcopy(self.strategy.shared_state()), "versions": list(self.versions)}

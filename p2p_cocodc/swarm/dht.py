@@ -30,9 +30,12 @@ from p2p_cocodc.swarm.trust import BoardValidator, EphemeralIdentity, Identity, 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+MADV_DONTNEED = 4
 P2PD_SOCKET_DIR = Path("/tmp")  # where hivemind's P2P puts its daemon's control socket
 P2PD_SOCKET_GLOB = "hivemind-p2pd-*.sock"
 _pdeathsig_installed = False
+# the page ranges (start, length) a process forked while the DHT starts gives up at once (``start_dht``)
+_left_to_parent: list[tuple[int, int]] = []
 
 
 def install_pdeathsig() -> None:
@@ -45,12 +48,27 @@ def install_pdeathsig() -> None:
     if _pdeathsig_installed:
         return
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
     def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        for start, length in _left_to_parent:
+            libc.madvise(start, length, MADV_DONTNEED)
 
     os.register_at_fork(after_in_child=_die_with_parent)
     _pdeathsig_installed = True
+
+
+def page_ranges(buffers: Iterable[tuple[int, int]], least: int = 1 << 20) -> list[tuple[int, int]]:
+    """The whole memory pages inside each buffer (address, bytes) of at least ``least`` bytes, once
+    each: what a forked process may give up without touching memory that is not the buffer's."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    ranges = set()
+    for address, size in buffers:
+        start, end = -(-address // page) * page, (address + size) // page * page
+        if size >= least and end > start:
+            ranges.add((start, end - start))
+    return sorted(ranges)
 
 
 def parse_bootstrap(addr: str, timeout: float = 10.0) -> tuple[list[str], str | None]:
@@ -267,13 +285,19 @@ def start_dht(
     identity_path: str | None = None,
     membership: Membership | None = None,
     protected: Iterable[str] | None = (),
+    left_to_parent: Iterable[tuple[int, int]] = (),
 ) -> Any:
     """A running hivemind.DHT, or UserError naming the address that failed.
 
     Every node signs its records and accepts only records signed by the peer their subkey names
     (``trust.BoardValidator``); under the DHT keys in ``protected`` (None: every key), only records
     of ``membership``'s members. ``identity_path``: the node's key, created there if missing;
-    None: a fresh key."""
+    None: a fresh key.
+
+    The DHT runs in a process forked from this one, which starts with this one's memory shared
+    copy-on-write. Buffers this process will write or free (a model's tensors, θ̄: the pages of
+    each, ``left_to_parent``) would become the DHT process's own copies, gigabytes of a big model
+    counted twice; so the DHT process gives them up as it starts (it never reads them)."""
     install_pdeathsig()
     import hivemind
     from hivemind.p2p import P2P
@@ -295,6 +319,7 @@ def start_dht(
         identity = Identity.from_file(key_path)
         validator = BoardValidator(identity, membership or Membership(), protected)
         before = set(P2PD_SOCKET_DIR.glob(P2PD_SOCKET_GLOB))
+        _left_to_parent[:] = page_ranges(left_to_parent)
         try:
             return hivemind.DHT(
                 initial_peers=initial_peers or None,
@@ -320,6 +345,7 @@ def start_dht(
                 ) from None
             raise UserError(f"cannot start the DHT on {host}:{port} ({detail}): is the port free?") from None
     finally:
+        _left_to_parent.clear()  # forked: later forks must not give up memory those buffers no longer own
         if fresh is not None:  # p2pd has read the key; the validator holds it in memory
             fresh.close()
 
