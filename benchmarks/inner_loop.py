@@ -3,17 +3,16 @@
 "plain": the loop anyone would write for the same model, batch, device and precision (forward,
 cross-entropy, backward, clip, optimizer step), nothing else. Its optimizer is the peer's own: the
 ``.optimizer`` of the ``InnerTrainer`` that ``TrainingSetup.trainer()`` builds (AdamW, fused or not
-as the trainer makes it), with that trainer's settings for the LR schedule and the gradient clip;
-so a change to the trainer's optimizer changes both sides, and an older tree (``--code``) is
-compared with its own. It reads each step's loss one step late (the peer is being changed to do the
-same): the loss of step s is read (``float``) once step s+1 has been queued, the last one after the
-loop. "peer": ``p2p-cocodc
-join`` in a swarm of one (``--workers 1``): the same inner steps plus everything a peer adds around
-them (snapshots and their host copies, the outer gradients, every round through the exchange, the
-outer step, the algorithm's own work such as CoCoDC's compensation, schedules, records, the board's
-heartbeat); nothing to wait for, so what it costs is the machinery, not the network. Each runs alone
-in its own process, one after the other, alternating which goes first; the report gives per-repeat
-ratios and their median.
+as the trainer makes it), with that trainer's settings for the LR schedule and the gradient clip; so
+a change to the trainer's optimizer changes both sides, and an older tree (``--code``) is compared
+with its own. It reads each step's loss late, as the peer does (the loss of step s once step s+1 has
+been queued, the last one after the loop), and runs one untimed forward pass first, as the peer
+evaluates θ̄ (untimed) before its first step. "peer": ``p2p-cocodc join`` in a swarm of one
+(``--workers 1``): the same inner steps plus everything a peer adds around them (snapshots and their
+host copies, the outer gradients, every round through the exchange, the outer step, the algorithm's
+own work such as CoCoDC's compensation, schedules, records, the board's heartbeat); nothing to wait
+for, so what it costs is the machinery, not the network. Each runs alone in its own process, one
+after the other, alternating which goes first; the report gives per-repeat ratios and their median.
 
 Throughput: training tokens over training wall time (the peer's ``tokens_per_s``, evaluation time
 excluded; the plain loop's from its first step to the end of its last, CUDA work included). MFU:
@@ -98,6 +97,10 @@ def plain_loop(options: dict[str, Any], code: str) -> dict[str, Any]:
     model, optimizer, settings = trainer.model, trainer.optimizer, trainer.settings
     model.train()
     shard = setup.shard(0, cfg.data_shards)
+    # untimed, as the peer's evaluation of θ̄ before its first step is: one forward pass, so that
+    # neither side's timed steps include the device's first-use set-up (kernels, libraries)
+    with torch.no_grad(), placement.autocast():
+        float(model(placement.batch(*shard.batch(0))[0]).float().mean())
     previous = None  # the loss of the step before, read once this step is queued
     started = time.perf_counter()
     for step in range(cfg.steps):
