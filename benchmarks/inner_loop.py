@@ -12,7 +12,9 @@ evaluates θ̄ (untimed) before its first step. "peer": ``p2p-cocodc join`` in a
 host copies, the outer gradients, every round through the exchange, the outer step, the algorithm's
 own work such as CoCoDC's compensation, schedules, records, the board's heartbeat); nothing to wait
 for, so what it costs is the machinery, not the network. Each runs alone in its own process, one
-after the other, alternating which goes first; the report gives per-repeat ratios and their median.
+after the other, alternating which goes first, after one untimed plain run that warms the device
+(on an H200, whichever side ran first on a cold GPU was 5-10 % slower; ``--no-warm-up`` skips it);
+the report gives per-repeat ratios and their median.
 
 Throughput: training tokens over training wall time (the peer's ``tokens_per_s``, evaluation time
 excluded; the plain loop's from its first step to the end of its last, CUDA work included). MFU:
@@ -237,6 +239,11 @@ def main() -> None:
     parser.add_argument(
         "--code", type=Path, default=ROOT, help="the checkout whose p2p_cocodc both sides run"
     )
+    parser.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="skip the untimed plain run before the repeats (it warms the device: clocks, caches)",
+    )
     parser.add_argument("--no-write", action="store_true", help="leave docs/performance.md alone")
     parser.add_argument("--json", type=Path, help="write the rows and the summary here")
     parser.add_argument("--plain-child", help=argparse.SUPPRESS)
@@ -261,6 +268,8 @@ def main() -> None:
     boot = start_bootstrap(workdir, prefix=("env", f"PYTHONPATH={python_path(args.code)}"))
     rows = []
     try:
+        if not args.no_warm_up:  # whichever side ran first on a cold GPU was 5-10 % slower (H200)
+            run_plain(options, args.code, workdir)
         for repeat in range(args.repeats):
             order = ("plain", "peer") if repeat % 2 == 0 else ("peer", "plain")
             got = {}
