@@ -268,7 +268,7 @@ class SwarmReplica:
         self.presence.check()
         self.presence.check_split()
 
-    async def train_step(self, step: int) -> float:
+    async def train_step(self, step: int) -> float | torch.Tensor:
         assert self.data is not None
         self.step_timer.step_starts()
         started = time.perf_counter()
