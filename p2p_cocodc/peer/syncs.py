@@ -530,38 +530,44 @@ class SwarmReplica:
         return None
 
     def summary_fields(self, failure: str | None) -> dict[str, Any]:
-        assert self.exchange is not None and self.presence is not None
-        stats, presence = self.exchange.stats, self.presence
-        assert self.train_started is not None
-        return {
-            "bytes_sent": stats.bytes_sent,
-            "stall_s": self.stall_s,
-            "sync_boundary_s": self.boundary_s,
-            "sync_boundary_share": self.boundary_s / max(self.training_s(), 1e-9),
-            "wall_time_s": time.perf_counter() - self.train_started,
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s(),
-            "peak_memory_bytes": peak_memory_bytes(self.setup.placement.device),
-            "rounds_done": stats.rounds_done,
-            "rounds_failed": stats.rounds_failed,
-            "bytes_resent": stats.bytes_resent,
-            "bytes_served": stats.bytes_served,
-            "peer_id": self.peer_id,
-            "shard": self.shard_index,
-            "joined_at": self.joined_at,
-            "resyncs": self.resyncs,
-            "state_copy_s": self.state_server.copy_s if self.state_server else 0.0,
-            "send_spacing": self.strategy.send_spacing(),
-            "key_id": self.exchange.key_id,
-            "refused": self.refused(count=16),
-            "outliers": dict(self.exchange.outliers.most_common(16)),
-            "accused": dict(self.exchange.accused.most_common(16)),
-            "theta_disputed": dict(presence.disputed),
-            "theta_unsettled_step": presence.unsettled.step if presence.unsettled is not None else None,
-            "theta_split": {d: list(peers) for d, peers in presence.unsettled.holders}
-            if presence.unsettled is not None
-            else None,
-            "theta_behind_step": presence.split_from.step if presence.split_from is not None else None,
-            "failure": failure,
-            "stopped_by": self.stopped_by,
-        }
+        return peer_summary(self, failure)
+
+
+def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
+    """What a peer's summary record adds to a run's: its traffic, stalls and sync work, rounds,
+    identity and joins, who it refused, screened out or accused, and how its θ̄ agreed."""
+    assert replica.exchange is not None and replica.presence is not None
+    stats, presence = replica.exchange.stats, replica.presence
+    assert replica.train_started is not None
+    return {
+        "bytes_sent": stats.bytes_sent,
+        "stall_s": replica.stall_s,
+        "sync_boundary_s": replica.boundary_s,
+        "sync_boundary_share": replica.boundary_s / max(replica.training_s(), 1e-9),
+        "wall_time_s": time.perf_counter() - replica.train_started,
+        "step_time_s": replica.step_time_s,
+        "tokens_per_s": replica.tokens_per_s(),
+        "peak_memory_bytes": peak_memory_bytes(replica.setup.placement.device),
+        "rounds_done": stats.rounds_done,
+        "rounds_failed": stats.rounds_failed,
+        "bytes_resent": stats.bytes_resent,
+        "bytes_served": stats.bytes_served,
+        "peer_id": replica.peer_id,
+        "shard": replica.shard_index,
+        "joined_at": replica.joined_at,
+        "resyncs": replica.resyncs,
+        "state_copy_s": replica.state_server.copy_s if replica.state_server else 0.0,
+        "send_spacing": replica.strategy.send_spacing(),
+        "key_id": replica.exchange.key_id,
+        "refused": replica.refused(count=16),
+        "outliers": dict(replica.exchange.outliers.most_common(16)),
+        "accused": dict(replica.exchange.accused.most_common(16)),
+        "theta_disputed": dict(presence.disputed),
+        "theta_unsettled_step": presence.unsettled.step if presence.unsettled is not None else None,
+        "theta_split": {d: list(peers) for d, peers in presence.unsettled.holders}
+        if presence.unsettled is not None
+        else None,
+        "theta_behind_step": presence.split_from.step if presence.split_from is not None else None,
+        "failure": failure,
+        "stopped_by": replica.stopped_by,
+    }
