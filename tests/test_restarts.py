@@ -179,8 +179,11 @@ def test_a_crashed_peer_comes_back_on_its_shard_and_ends_with_the_swarms_model(t
     assert len(set(hashes.values())) == 1, (hashes, logs)
     assert all(s["kind"] == "summary" and s["steps"] == COMEBACK_STEPS for s in summaries.values())
     assert summaries["again"]["joined_at"] > 0 and summaries["again"]["shard"] == victim  # its old shard
-    # it took part in rounds again: its shard is among the members of the last rounds
+    # it took part in rounds again: its shard is among the members of a round sent after it took the
+    # state (how many rounds that leaves depends on how long its restart took on a loaded machine)
     first = next(f"peer{i}" for i in range(3) if i != victim)
-    members = [r["members"] for r in records(tmp_path / f"{first}.jsonl") if r["kind"] == "round"]
-    assert any(victim in m for m in members[-4:]), members
+    rounds = [r for r in records(tmp_path / f"{first}.jsonl") if r["kind"] == "round"]
+    rejoined = summaries["again"]["joined_at"]
+    after = [r["members"] for r in rounds if int(r["round"].split(":")[1]) >= rejoined]
+    assert any(victim in m for m in after), (rejoined, [r["round"] for r in rounds], after)
     assert_replayed(tmp_path, [*TINY, "--steps", str(COMEBACK_STEPS)], hashes[first], f"{first}.jsonl")
