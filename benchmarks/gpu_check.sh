@@ -10,6 +10,9 @@
 #   4. with BASE_CODE=DIR set: the cocodc 16×512 row run with `--code DIR`, 2 repeats (before/after)
 # then a summary: each row's median ratio (peer ÷ plain tokens/s) and MFU, and pytest's result line.
 # Logs and JSON go to ${OUT:-gpu-check-out}.
+# Time on an H200 (2026-11-26): the CUDA tests 40 s; a 317 M row's repeat about 110 s (start-up of both
+# processes included), plus one untimed warm-up run per row. A 15-minute lease holds one call of at
+# most 10 minutes: DEADLINE=540 runs the tests, the cocodc 16×512 row and most of the 8×128 row.
 #
 #   bash benchmarks/gpu_check.sh .whl                       # on the GPU machine, from the tree's root
 #   BASE_CODE=/path/to/old/tree ROWS=quick bash benchmarks/gpu_check.sh .whl   # quick: 1 repeat each
