@@ -6,7 +6,8 @@
 #   1. tests/test_devices.py: the CUDA tests, a bf16 region and an fp32 region of real peers among them
 #   2. benchmarks/llama_folder.py /tmp/llama317: the 317 M-parameter Llama's folder (no weights)
 #   3. benchmarks/inner_loop.py rows, bf16, 4 torch threads: cocodc 16×512 (96 steps, 3 repeats),
-#      cocodc 8×128 (240 steps, 3 repeats), streaming 16×512 (96, 2), diloco 16×512 (96, 2; H = 48)
+#      cocodc 8×128 (240 steps, 3 repeats), streaming 16×512 (96, 2), diloco 16×512 (96, 2; H = 48),
+#      cocodc 16×512 with --compile inductor (96, 2; the compile is inside the timed steps)
 #   4. with BASE_CODE=DIR set: the cocodc 16×512 row run with `--code DIR`, 2 repeats (before/after)
 # then a summary: each row's median ratio (peer ÷ plain tokens/s) and MFU, and pytest's result line.
 # Logs and JSON go to ${OUT:-gpu-check-out}.
@@ -92,7 +93,8 @@ row cocodc-big 220 3 --algo cocodc "${BIG[@]}" "${STEPS[@]}"
 row cocodc-small 200 3 --algo cocodc "${SMALL[@]}" "${LONG[@]}"
 row streaming-big 160 2 --algo streaming "${BIG[@]}" "${STEPS[@]}"
 row diloco-big 160 2 --algo diloco "${BIG[@]}" "${STEPS[@]}"
-ROWS_RUN=(cocodc-big cocodc-small streaming-big diloco-big)
+row cocodc-big-inductor 200 2 --algo cocodc "${BIG[@]}" "${STEPS[@]}" --compile inductor
+ROWS_RUN=(cocodc-big cocodc-small streaming-big diloco-big cocodc-big-inductor)
 if [ -n "${BASE_CODE:-}" ]; then
     row base-cocodc-big 160 2 --algo cocodc "${BIG[@]}" "${STEPS[@]}" --code "$BASE_CODE"
     ROWS_RUN+=(base-cocodc-big)

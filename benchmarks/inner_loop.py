@@ -109,7 +109,7 @@ def plain_loop(options: dict[str, Any], code: str) -> dict[str, Any]:
         x, y = placement.batch(*shard.batch(step))
         optimizer.zero_grad(set_to_none=True)
         with placement.autocast():
-            logits = model(x)
+            logits = trainer.forward(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         loss.backward()
         if settings.grad_clip > 0:
@@ -240,6 +240,9 @@ def main() -> None:
         "--code", type=Path, default=ROOT, help="the checkout whose p2p_cocodc both sides run"
     )
     parser.add_argument(
+        "--compile", default="off", help="both sides' torch.compile backend (off, inductor), compile timed"
+    )
+    parser.add_argument(
         "--no-warm-up",
         action="store_true",
         help="skip the untimed plain run before the repeats (it warms the device: clocks, caches)",
@@ -264,6 +267,8 @@ def main() -> None:
         "batch_size": args.batch_size, "eval_every": args.steps, "eval_batches": 2,
         "threads": args.threads, "device": args.device, "precision": args.precision,
     }  # fmt: skip
+    if args.compile != "off":  # an older tree (--code) may not have the option
+        options["compile"] = args.compile
     workdir = Path(tempfile.mkdtemp(prefix="inner-loop-"))
     boot = start_bootstrap(workdir, prefix=("env", f"PYTHONPATH={python_path(args.code)}"))
     rows = []

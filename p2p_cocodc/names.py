@@ -14,4 +14,5 @@ AGGREGATES = ("mean", "trimmed-mean", "centered-clip")
 TOKENIZERS = ("bpe4096", "byte")
 HF_PREFIX = "hf:"  # --model hf:PATH_OR_NAME: a Hugging Face causal LM (p2p_cocodc.models.hf)
 PRECISIONS = ("fp32", "bf16")
+COMPILE_BACKENDS = ("off", "inductor", "eager", "aot_eager")  # --compile: torch.compile's backends
 LOG_SINKS = ("tensorboard", "wandb")  # --log-to: where run records also go (p2p_cocodc.ops.sinks)

@@ -113,6 +113,20 @@ def test_a_prepared_result_applies_like_the_averaged_delta_and_a_stale_one_is_pr
     assert params_sha256(first.global_state()) == params_sha256(second.global_state())
 
 
+def test_a_compiled_forward_is_traced_and_computes_what_the_plain_one_does() -> None:
+    """--compile: the inner steps call the model through torch.compile. With the eager backend
+    (tracing, no code generation: inductor's kernels are checked on a GPU, benchmarks/gpu_check.sh)
+    the traced graph runs the same operations, so the run ends with the same θ̄, bit for bit."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    _, plain = run(SMALL)
+    assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled_sim, compiled = run(replace(SMALL, compile="eager"))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the model's forward was traced
+    assert all(w.trainer.forward is not w.trainer.model for w in compiled_sim.workers.values())
+    assert compiled["global_params_sha256"] == plain["global_params_sha256"]
+
+
 def test_theta_bar_lives_on_the_cpu_in_fp32_whatever_the_replica_computes_in() -> None:
     sim, summary = run(replace(SMALL, precision="bf16"))
     for worker in sim.workers.values():

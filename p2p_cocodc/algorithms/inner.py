@@ -45,19 +45,34 @@ class InnerTrainer:
     """One replica's model and AdamW on ``placement``'s device; forward/backward in its precision
     (parameters and AdamW stay fp32). ``backward`` and ``update`` are split so DDP can average
     grads. ``forward`` is the module the inner steps call: the model, or a wrapper of it (a region
-    of several processes wraps it in torch's DistributedDataParallel).
+    of several processes wraps it in torch's DistributedDataParallel), compiled with ``torch.compile``
+    when asked (``--compile``: every replica of a run on the same hardware compiles the same graph to
+    the same kernels, so its peers stay bit-identical to each other).
 
     A step returns its loss as a 0-dim tensor on the device, not read: reading it (``float``) makes
     the host wait for the device to finish the step, so a driver reads it where it needs the value
     and lets the device run ahead meanwhile. On CUDA, AdamW is torch's fused kernel; elsewhere its
     default (per-tensor loops over lists), whose float ops the golden traces pin."""
 
-    def __init__(self, model: nn.Module, settings: InnerSettings, placement: Placement | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: InnerSettings,
+        placement: Placement | None = None,
+        compile_backend: str = "off",
+    ) -> None:
         self.model = model
-        self.forward: nn.Module = model
         self.settings = settings
         self.placement = placement or Placement()
+        self.compile_backend = compile_backend
+        self.set_forward(model)
         self.reset()
+
+    def set_forward(self, module: nn.Module) -> None:
+        """The module the inner steps call (the model, or a wrapper of it), through
+        ``torch.compile`` with the trainer's backend unless that is "off"."""
+        backend = self.compile_backend
+        self.forward = module if backend == "off" else torch.compile(module, backend=backend)  # type: ignore[assignment]
 
     def reset(self) -> None:
         """A fresh AdamW (no moments): the inner optimizer of a replica that starts anew."""

@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any
 from p2p_cocodc.config.derived import Link, check_sync, sync_shape
 from p2p_cocodc.config.schema import AUTO, Schema, opt, read_toml
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.names import AGGREGATES, ALGORITHMS, CODEC_NAMES, DC_RULES, LOG_SINKS, PRECISIONS, TOKENIZERS
+from p2p_cocodc.names import (
+    AGGREGATES,
+    ALGORITHMS,
+    CODEC_NAMES,
+    COMPILE_BACKENDS,
+    DC_RULES,
+    LOG_SINKS,
+    PRECISIONS,
+    TOKENIZERS,
+)
 
 if TYPE_CHECKING:  # the settings classes live with torch code: imported when first built, not for --help
     from p2p_cocodc.algorithms.aggregation import Aggregation
@@ -152,6 +161,13 @@ class TrainConfig:
     )
     precision: str = opt(
         "fp32", "inner forward/backward precision (bf16: autocast; weights and AdamW stay fp32)", PRECISIONS
+    )
+    compile: str = opt(
+        "off",
+        "torch.compile the replica's training forward: inductor (kernels compiled for this device; "
+        "the first steps wait for it), or eager / aot_eager (tracing only, to check a model compiles)",
+        COMPILE_BACKENDS,
+        computes=False,
     )
     # replay (simulate only)
     events: str | None = opt(

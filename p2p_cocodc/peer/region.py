@@ -178,7 +178,7 @@ class Region:
     def wrap(self, trainer: InnerTrainer) -> None:
         """Train ``trainer``'s model with DDP over the region's ranks (a collective: every rank)."""
         device_ids = [trainer.placement.device.index] if trainer.placement.device.type == "cuda" else None
-        trainer.forward = nn.parallel.DistributedDataParallel(trainer.model, device_ids=device_ids)
+        trainer.set_forward(nn.parallel.DistributedDataParallel(trainer.model, device_ids=device_ids))
         self.trainer = trainer
 
     def rows(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,7 +77,8 @@ class TrainingSetup:
 
     def trainer(self) -> InnerTrainer:
         """A fresh copy of the initial model on the replica's device, with its inner optimizer."""
-        return InnerTrainer(copy.deepcopy(self.base).to(self.placement.device), self.inner, self.placement)
+        model = copy.deepcopy(self.base).to(self.placement.device)
+        return InnerTrainer(model, self.inner, self.placement, self.cfg.compile)
 
     def strategy(self, model: nn.Module, settings: AlgoSettings) -> ReplicaStrategy:
         """The strategy of a replica ``model`` (θ̄ starts as the model's parameters)."""
