@@ -78,13 +78,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 @dataclass
 class HostCopy:
-    """A device tensor on its way to host memory; ``tensor`` is valid once ``done()``."""
+    """A device tensor on its way to host memory; ``tensor`` is valid once ``wait()`` returned."""
 
     tensor: torch.Tensor
     event: torch.cuda.Event | None = None
-
-    def done(self) -> bool:
-        return self.event is None or self.event.query()
 
     def wait(self) -> torch.Tensor:
         """Block this thread until the copy has landed (never the training stream)."""
