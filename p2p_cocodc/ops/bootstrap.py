@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from contextlib import ExitStack, suppress
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -220,6 +221,14 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _on_stop_signal(task: asyncio.Task[int], signum: int, frame: Any) -> None:
+    """SIGINT's and SIGTERM's handler while ``watch`` serves: the serving task is cancelled on its
+    loop. A Python handler, not the loop's ``add_signal_handler``: removing that one puts the
+    default action back (for SIGTERM: the process ends by the signal) until ``_ignore_stop_signals``
+    replaces it, and a second signal in that gap ended the bootstrap with -15."""
+    task.get_loop().call_soon_threadsafe(_stop_serving, signal.Signals(signum), task)
+
+
 def _stop_serving(sig: signal.Signals, task: asyncio.Task[int]) -> None:
     if task.cancelling():
         log.warning("%s: already stopping", sig.name)
@@ -336,7 +345,7 @@ async def watch(
     if dial_back is not None:
         dial_back.attach(loop)
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, _stop_serving, sig, task)
+        signal.signal(sig, partial(_on_stop_signal, task))
     dead_since: float | None = None
     failing = False
     history, endings = History(), Endings()
@@ -355,9 +364,7 @@ async def watch(
     except asyncio.CancelledError:
         return 0
     finally:
-        for sig in STOP_SIGNALS:  # the shutdown follows: ignored from here on (``_ignore_stop_signals``)
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_stop_signals()  # the shutdown follows
 
 
 async def refresh(
