@@ -427,8 +427,9 @@ class World:
             expected, _ = butterfly_mean([self.vectors[p] for p, _ in members], self.codec)
             if not torch.equal(averages[0].average, expected):
                 return f"the average is not the butterfly mean of its members {members}"
-        # honest peers agree; a forger caught lying is not waited for, so its outcome may differ (a
-        # liar's θ̄ is its own problem: the θ̄ check outvotes it)
+        # honest peers agree; the forger's own outcome may differ (its machine ignores the lists
+        # its process forged, and may complete a group of one: a liar's θ̄ is its own problem,
+        # the θ̄ check outvotes it)
         live = set(self.live_peers()) - {self.plan.forger}
         live_completed = [p for p in completed if p in live]
         # an Undecided peer takes the swarm's state again: it may sit beside either outcome
@@ -461,11 +462,17 @@ class World:
         if forger is not None and not (self.plan.crash_at or self.plan.drop or self.plan.congested):
             others = [p for p in self.plan.ids if p != forger]
             leads = min(self.plan.ids, key=lambda p: leader_rank(ROUND, p)) == forger
-            # a forger that does not lead the round costs the honest peers nothing
-            if not leads and not self.plan.view_lag and not self.plan.leave_at:
+            # private groups cost the honest peers nothing: where the forger does not lead, they
+            # never take its lists; where it leads and every peer is on time, they leave its
+            # private pairs for the group it runs (the larger list of a leader that sent two,
+            # ``group_claims.preferred``). A late peer lets a leader that runs its group wait for
+            # it, while its private pairs go silent: that costs the round, as a silent leader does
+            on_time = max(self.plan.start_at.values()) < 5
+            if not self.plan.view_lag and not self.plan.leave_at and (on_time or not leads):
                 behind = [p for p in others if not isinstance(self.outcomes.get(p), Completed)]
                 if behind:
-                    return f"a forger that does not lead the round made {behind[0][:6]} miss it"
+                    how = "leads" if leads else "does not lead"
+                    return f"a forger that {how} the round made {behind[0][:6]} miss it"
                 blamed_by = {a for a, accused, _ in self.accusations if accused == forger}
                 if self.forged_to and not blamed_by:
                     return "the forger handed out private groups, and no honest peer accused it"

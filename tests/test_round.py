@@ -20,7 +20,9 @@ from p2p_cocodc.swarm.round_events import (
     Completed,
     Compute,
     Deadlines,
+    Effect,
     Failed,
+    Phase,
     Received,
     Send,
     Settle,
@@ -64,8 +66,10 @@ class Net:
         self.replayed: Callable[[str, str, Message], bool] = lambda sender, to, message: False
         self.sent: list[tuple[str, str, Message]] = []
 
-    def feed(self, peer: str, event: object) -> None:
-        for effect in self.machines[peer].handle(event, self.now):  # type: ignore[arg-type]
+    def feed(self, peer: str, event: object) -> list[Effect]:
+        """Hand ``peer`` the event and carry out its effects; returns them."""
+        effects = self.machines[peer].handle(event, self.now)  # type: ignore[arg-type]
+        for effect in effects:
             if isinstance(effect, Send):
                 self.sent.append((peer, effect.to, effect.message))
                 if effect.to in self.machines and not self.drop(peer, effect.to, effect.message):
@@ -75,6 +79,7 @@ class Net:
             elif isinstance(effect, Settle):
                 self.outcomes[peer] = effect.outcome
                 self.settled_at[peer] = self.now
+        return effects
 
     def start(self, peer: str, vector: torch.Tensor, pace: int = 0) -> None:
         self.feed(peer, Start(STEP, vector, pace))
@@ -352,19 +357,30 @@ def test_a_group_naming_this_peer_is_believed_only_from_a_leader_it_joined_once_
     assert all(torch.equal(o.average, full(2.0)) for o in net.outcomes.values())  # type: ignore[union-attr]
 
 
-def test_a_leader_that_hands_out_two_groups_is_accused_by_the_member_that_got_both() -> None:
+def test_a_leader_that_hands_out_two_groups_is_accused_and_its_members_complete_the_larger() -> None:
     """A leads and C joins it; A hands C a private group of A and C, then its real group of all
     three: C took the first it heard from the leader it joined, learns that A sent two groups of
-    the round, accuses A and recovers (it never runs the private one with anyone)."""
+    the round, accuses A, and leaves the private group (it reduced nothing there, so that group
+    can never complete) for the larger one, which completes on all three. The private group sent
+    again changes nothing. Before: C recovered, and the round failed on every peer."""
     net = Net({A: [B, C], B: [A, C], C: [A, B]})
     shards = {p: sorted(net.machines).index(p) for p in (A, B, C)}
     net.start(C, full(3.0))  # C sends its JOIN to A
     private = tuple(sorted([(A, shards[A]), (C, shards[C])], key=lambda m: m[1]))
-    took = net.machines[C].handle(Received(A, Group(ROUND, private, 0)), net.now)
+    took = net.feed(C, Received(A, Group(ROUND, private, 0)))
     assert net.machines[C].members == private and not any(isinstance(e, Accuse) for e in took)
     real = tuple(sorted(shards.items(), key=lambda m: m[1]))
-    effects = net.machines[C].handle(Received(A, Group(ROUND, real, 0)), net.now)
+    effects = net.feed(C, Received(A, Group(ROUND, real, 0)))
     assert [e.peer for e in effects if isinstance(e, Accuse)] == [A]
+    net.feed(C, Received(A, Group(ROUND, private, 0)))
+    assert net.machines[C].members == real and net.machines[C].phase == Phase.RUNNING
+    net.start(A, full(1.0))
+    net.start(B, full(2.0))
+    net.run(60, net.settled(A, B, C))
+    for peer in (A, B, C):
+        outcome = net.outcomes[peer]
+        assert isinstance(outcome, Completed) and outcome.members == real, (peer, outcome)
+        assert torch.equal(outcome.average, full(2.0))
 
 
 def test_a_member_whose_record_claims_it_is_far_behind_is_waited_for_no_longer_than_round_s() -> None:

@@ -122,9 +122,34 @@ class BelievesAnyGroup(RoundMachine):
         self.claims = Credulous(self.me, self.rank)
 
 
+class FirstGroupForGood(GroupClaims):
+    def leads_both(self, sender: str, group, mine) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def outranked(self, group, mine) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+class KeepsAPrivatePair(RoundMachine):
+    """Keeps the first group its leader sent, for good, and recovers when a member is in another
+    (the rule before the switch to a lying leader's preferred list): a forger that leads the round
+    and hands its joiners private pairs makes them miss the round it runs."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.claims = FirstGroupForGood(self.me, self.rank)
+
+
 VARIANTS: dict[str, type[RoundMachine]] = {
     cls.__name__: cls
-    for cls in (DeliversOnlyToLivePeers, TakesBusyForFinal, PacesByItself, SilenceIsFinal, BelievesAnyGroup)
+    for cls in (
+        DeliversOnlyToLivePeers,
+        TakesBusyForFinal,
+        PacesByItself,
+        SilenceIsFinal,
+        BelievesAnyGroup,
+        KeepsAPrivatePair,
+    )
 }
 
 
@@ -140,6 +165,9 @@ VARIANTS: dict[str, type[RoundMachine]] = {
         (2858, SilenceIsFinal),
         # a member handed each peer behind it in line a private group of the two of them (issue 19)
         (2216, BelievesAnyGroup),
+        # the same forger, leading the round: its joiners took their private pairs and missed the
+        # group it ran
+        (482, KeepsAPrivatePair),
     ],
 )
 def test_schedules_that_found_a_bug_pass_and_fail_without_its_fix(seed: int, variant: type) -> None:

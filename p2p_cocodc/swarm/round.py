@@ -77,6 +77,7 @@ from p2p_cocodc.swarm.round_events import (
     Undecided,
     ViewChanged,
     leader_rank,
+    settled_answer,
     short,
 )
 
@@ -278,7 +279,8 @@ class RoundMachine:
         if isinstance(msg, Join | Probe) and msg.fingerprint != self.fingerprint:
             self._reply_status(out, sender, Status.REFUSED, "your options differ from this run's", now)
             return  # a peer of another configuration is not a peer of this round
-        judged = self.claims.judge(sender, msg, self.members, may_be_earlier=self.gave_round_up)
+        ran_mine = sender in self.parts or sender in self.results
+        judged = self.claims.judge(sender, msg, self.members, self.gave_round_up, ran_mine)
         if judged.why:
             out.append(Accuse(sender, judged.why))
         if judged.ignore:
@@ -327,7 +329,14 @@ class RoundMachine:
         if self.members is None:
             self._learn(sender, msg.members, msg.pace, now, out, f"from {short(sender)}")
         elif not self._same_group(msg) and self.phase == Phase.RUNNING and self._is_member(sender):
-            self._recover(now, out, f"member {short(sender)} is in another group of the round")
+            group, mine = (msg.members, msg.pace), (self.members, self.pace)
+            if self.claims.leads_both(sender, group, mine):  # it lied: we switch, or stay, never recover
+                if self.claims.prefers(group, mine, self.me in self.results or "reduce" in self.jobs_out):
+                    self.phase = Phase.FORMING  # ours can never complete: our slice's mean is never sent
+                    self.parts, self.results, self.acked, self.slices = {}, {}, set(), None
+                    self._adopt(*group, now, out, f"from {short(sender)}, which led another group first")
+            elif not self.claims.outranked(group, mine):  # an outranked list's members come to ours
+                self._recover(now, out, f"member {short(sender)} is in another group of the round")
 
     def _on_delivery(self, sender: str, msg: Part, now: float, out: list[Effect]) -> None:
         if self.phase == Phase.IDLE:
@@ -344,6 +353,8 @@ class RoundMachine:
                 return  # comes, which a JOIN asks for again now; any other list is never held or ACKed
         if not self._same_group(msg):
             if self.members is not None:
+                if self.claims.outranked((self.members, self.pace), (msg.members, msg.pace)):
+                    self.early[(sender, msg.code)] = msg  # our leader's other list: kept for a switch
                 self._send(out, sender, Group(self.round_id, self.members, self.pace), now, expect=False)
             else:
                 self._reply_settled(out, sender, now)
@@ -452,6 +463,8 @@ class RoundMachine:
             self._recover(now, out, event.error)
         elif kind == "encode":
             assert isinstance(event.value, list) and self.members is not None
+            if len(event.value) != len(self.members):
+                return  # for a group this peer left (``_on_group``): the new one's is under way
             self.slices = event.value
             self.parts[self.me] = self.slices[self._index(self.me)]
         elif kind == "reduce":
@@ -580,7 +593,7 @@ class RoundMachine:
             self._adopt(members, pace, now, out, how)
 
     def _adopt(self, members: Members, pace: int, now: float, out: list[Effect], how: str) -> None:
-        """The first group this peer learns is its group of the round, for good."""
+        """The first group this peer learns is its group of the round (a lying leader's: ``_on_group``)."""
         self.members, self.pace = members, pace
         self.adopted_at = now
         listed = [f"{short(p)}:{s}" for p, s in members]
@@ -690,7 +703,8 @@ class RoundMachine:
         there = set(self.view) | recent | (members - left_board)  # silence alone is no reason here
         silent = {p for p, t in rec.unanswered_since.items() if now - t > self.deadlines.answer_s}
         unreachable = self._unreachable(silent)
-        asked = there - (silent - unreachable) - {self.me} - self.claims.blamed  # a liar is not waited for
+        # a liar too: it may complete a group and hand its average to an honest peer (seed 6511)
+        asked = there - (silent - unreachable) - {self.me}
         gone = (members | set(rec.answers) | set(rec.unanswered_since)) - asked - {self.me}
         for peer in sorted(gone):  # a peer that left, or never answered a FETCH, is final like a FAILED one
             if peer in rec.answers and rec.answers[peer][0] in (Status.FAILED, Status.GONE):
@@ -763,22 +777,9 @@ class RoundMachine:
 
     def _reply_settled(self, out: list[Effect], to: str, now: float, ask: int = 0) -> None:
         """A peer that has no average to give and will not complete the round itself says so."""
-        # one that dropped out answers like a promise; an observer that found no average failed
-        # the round (a peer that reaches it later must not complete it alone)
-        if isinstance(self.outcome, Failed) and self.gave_round_up and not self.observer:
-            self._reply_status(out, to, Status.WAITING, self.outcome.reason, now, ask)
-        elif isinstance(self.outcome, Failed):
-            self._reply_status(out, to, Status.FAILED, self.outcome.reason, now, ask)
-        elif isinstance(self.outcome, Lost):
-            self._reply_status(
-                out, to, Status.GONE, "completed elsewhere; this peer has no average", now, ask
-            )
-        elif isinstance(self.outcome, Undecided):  # it holds no average, and promises nothing either way
-            why = "could not learn the outcome; taking the swarm's state"
-            self._reply_status(out, to, Status.WAITING, why, now, ask)
-        else:
-            why = "gave the round up" if self.phase == Phase.IDLE else "recovering"
-            self._reply_status(out, to, Status.WAITING, why, now, ask)
+        dropped_out = self.gave_round_up and not self.observer
+        status, why = settled_answer(self.outcome, dropped_out, self.phase)
+        self._reply_status(out, to, status, why, now, ask)
 
     def _reply_status(
         self, out: list[Effect], to: str, status: Status, detail: str, now: float, ask: int = 0

@@ -178,6 +178,19 @@ class Undecided:
 Outcome = Completed | Failed | Lost | Undecided
 
 
+def settled_answer(outcome: Outcome | None, dropped_out: bool, phase: Phase) -> tuple[Status, str]:
+    """What a peer with no average to give, which will not complete the round, answers a FETCH.
+    One that dropped out (gave the round up, not an observer) answers like a promise; an observer
+    that found no average failed the round (a peer that reaches it later must not complete it alone)."""
+    if isinstance(outcome, Failed):
+        return (Status.WAITING if dropped_out else Status.FAILED), outcome.reason
+    if isinstance(outcome, Lost):
+        return Status.GONE, "completed elsewhere; this peer has no average"
+    if isinstance(outcome, Undecided):  # it holds no average, and promises nothing either way
+        return Status.WAITING, "could not learn the outcome; taking the swarm's state"
+    return Status.WAITING, "gave the round up" if phase == Phase.IDLE else "recovering"
+
+
 @dataclass(frozen=True)
 class Settle:
     outcome: Outcome
