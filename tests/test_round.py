@@ -383,6 +383,28 @@ def test_a_leader_that_hands_out_two_groups_is_accused_and_its_members_complete_
         assert torch.equal(outcome.average, full(2.0))
 
 
+def test_a_slice_of_the_larger_group_that_came_first_is_taken_when_the_member_switches() -> None:
+    """B already runs A's real group and sends C its part before C has any group; C then gets
+    A's private pair, and then the real group. C takes B's part the moment it switches (an ACK at
+    once), not after B's re-send 2 s later: a held delivery of the list its leader prefers is
+    held again while C runs the pair (it was dropped, and every round the forger led cost 2 s)."""
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    shards = {p: sorted(net.machines).index(p) for p in (A, B, C)}
+    net.feed(C, Start(STEP, full(3.0), 0))  # C joins A (the JOIN is not delivered: A says nothing)
+    net.queue.clear()
+    real = tuple(sorted(shards.items(), key=lambda m: m[1]))
+    mine = [p for p, _ in real].index(C)
+    size = slice_sizes(300, 3, net.codec.block)[mine]
+    part = Part(ROUND, real, 0, mine, size, bytes(net.codec.wire_bytes(size)))
+    net.feed(C, Received(B, part))
+    private = tuple(sorted([(A, shards[A]), (C, shards[C])], key=lambda m: m[1]))
+    net.feed(C, Received(A, Group(ROUND, private, 0)))
+    effects = net.feed(C, Received(A, Group(ROUND, real, 0)))
+    assert net.machines[C].members == real
+    acks = [e.to for e in effects if isinstance(e, Send) and e.message.code == Code.ACK]
+    assert acks == [B], effects
+
+
 def test_a_member_whose_record_claims_it_is_far_behind_is_waited_for_no_longer_than_round_s() -> None:
     # C's record says step 0 at a million seconds a step: a leader that believed it would wait for
     # it for weeks; it waits as for a peer round_s behind, then forms without it

@@ -603,9 +603,9 @@ class RoundMachine:
         self.joins = {}
         if self.phase == Phase.FORMING:
             self._enter_group(now, out)
-            for (sender, _), early in sorted(self.early.items()):  # deliveries of this group: taken now
+            held, self.early = self.early, {}  # deliveries of this group are taken now; those of a
+            for (sender, _), early in sorted(held.items()):  # list our leader prefers, held again
                 self._on_delivery(sender, early, now, out)
-            self.early = {}
 
     def _enter_group(self, now: float, out: list[Effect]) -> None:
         assert self.members is not None and self.vector is not None
