@@ -333,7 +333,8 @@ class RoundMachine:
             if self.claims.leads_both(sender, group, mine):  # it lied: we switch, or stay, never recover
                 if self.claims.prefers(group, mine, self.me in self.results or "reduce" in self.jobs_out):
                     self.phase = Phase.FORMING  # ours can never complete: our slice's mean is never sent
-                    self.parts, self.results, self.acked, self.slices = {}, {}, set(), None
+                    self.parts, self.results, self.slices = {}, {}, None
+                    self.acked, self.last_sent = set(), {}  # its parts go to every member at once
                     self._adopt(*group, now, out, f"from {short(sender)}, which led another group first")
             elif not self.claims.outranked(group, mine):  # an outranked list's members come to ours
                 self._recover(now, out, f"member {short(sender)} is in another group of the round")
@@ -777,8 +778,7 @@ class RoundMachine:
 
     def _reply_settled(self, out: list[Effect], to: str, now: float, ask: int = 0) -> None:
         """A peer that has no average to give and will not complete the round itself says so."""
-        dropped_out = self.gave_round_up and not self.observer
-        status, why = settled_answer(self.outcome, dropped_out, self.phase)
+        status, why = settled_answer(self.outcome, self.gave_round_up and not self.observer, self.phase)
         self._reply_status(out, to, status, why, now, ask)
 
     def _reply_status(
