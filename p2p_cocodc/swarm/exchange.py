@@ -486,12 +486,16 @@ class FragmentExchange:
         not queue behind several fragments at once on a thin link. Bulk messages to one peer go in
         the order their rounds asked for them, which is the order their results are due."""
         size = payload_bytes(message)
+        key = (to, message.round_id, int(message.code), getattr(message, "index", 0))
+        for other in [k for k in self.acks_awaited if k[:3] == key[:3] and k != key]:
+            # a delivery of a group this peer has left for another (``RoundMachine._on_group``):
+            # its member never acknowledges it, and no later delivery may wait behind it
+            self.acks_awaited.pop(other).set()
         if size < BULK_BYTES:
             await self._write(to, message)
             return
         turn = self.link_turns.setdefault(to, asyncio.Lock())
         async with turn:
-            key = (to, message.round_id, int(message.code), getattr(message, "index", 0))
             acked = self.acks_awaited[key] = asyncio.Event()
             started = time.monotonic()
             try:
@@ -499,9 +503,11 @@ class FragmentExchange:
                     wait = self.deadlines.resend_after(size)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(acked.wait(), wait)
-                        self.link.record(started, time.monotonic(), message.round_id)
+                        if self.acks_awaited.get(key) is acked:  # acknowledged, not given up
+                            self.link.record(started, time.monotonic(), message.round_id)
             finally:
-                self.acks_awaited.pop(key, None)
+                if self.acks_awaited.get(key) is acked:
+                    del self.acks_awaited[key]
 
     async def _write(self, to: str, message: Message) -> bool:
         from hivemind.p2p import PeerID
