@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -17,7 +18,7 @@ from p2p_cocodc.algorithms.butterfly import slice_bounds
 from p2p_cocodc.algorithms.codecs import CODECS, get_codec
 from p2p_cocodc.swarm import exchange as exchange_module
 from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
-from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, parse_members, parse_message
+from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, Part, parse_members, parse_message
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round_events import leader_rank
 from p2p_cocodc.swarm.wire import BadMessage
@@ -119,6 +120,33 @@ def test_two_peers_get_the_same_average_with_every_codec(dhts) -> None:
         tolerance = {"fp32": 0.0, "bf16": 0.02, "int8": 0.05, "fp4": 2.0}[codec]
         assert float((a - exact).abs().max()) <= tolerance, codec
     assert all(s.rounds_done == len(CODECS) and s.rounds_failed == 0 for s in stats)
+
+
+def test_a_delivery_of_a_group_left_does_not_hold_up_the_link(dhts) -> None:
+    """A bulk delivery waits for its acknowledgement before the next one to that peer is written.
+    One of a group this peer has left (a lying leader's private pair, ``RoundMachine._on_group``)
+    is never acknowledged: a delivery of the same round and kind with another index (the new
+    group's) releases that wait and goes at once. The re-send period is an hour here: without the
+    release, the second message never leaves (in a real swarm: every round the forger led waited
+    2 s, and so did the next bulk delivery to it, of any round)."""
+
+    async def main():
+        a, b = await make_pair(dhts)
+        a.deadlines = replace(a.deadlines, resend_s=3600.0)
+        to = b.p2p.peer_id.to_base58()
+        members = ((a.p2p.peer_id.to_base58(), 0), (to, 1))
+        numel = exchange_module.BULK_BYTES // 4  # fp32: one bulk message each
+        data = bytes(4 * numel)
+        try:
+            received = b.stats.messages_received
+            a._start_send(to, Part("pair", members, 0, 1, numel, data))  # never acknowledged
+            await until(lambda: b.stats.messages_received > received, "the pair's part")
+            a._start_send(to, Part("pair", members[::-1], 0, 0, numel, data))  # the group it joined
+            await until(lambda: b.stats.messages_received >= received + 2, "the part after it", 30.0)
+        finally:
+            await stop_all([a, b])
+
+    asyncio.run(main())
 
 
 def test_a_peer_sending_payloads_of_the_wrong_size_fails_the_round_not_the_peer(dhts) -> None:
