@@ -24,7 +24,6 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -634,25 +633,18 @@ async def unless_stopped(work: Awaitable[T], stop: asyncio.Event, stopped: Calla
     return task.result()
 
 
-def _schedule_signal(
-    loop: asyncio.AbstractEventLoop, handler: Callable[[signal.Signals], None], signum: int, frame: Any
-) -> None:
-    loop.call_soon_threadsafe(handler, signal.Signals(signum))
-
-
 @contextmanager
 def stop_signals_to(
     loop: asyncio.AbstractEventLoop, handler: Callable[[signal.Signals], None]
 ) -> Iterator[None]:
-    """Inside, SIGINT and SIGTERM call ``handler(sig)`` on ``loop``; after, the caller's handlers
-    are back. Python handlers that schedule ``handler``, not the loop's ``add_signal_handler``:
-    removing that one puts the default action back until the caller's is set again, and a second
-    SIGTERM in that gap ended the process by the signal."""
+    """Inside, SIGINT and SIGTERM call ``handler(sig)`` on ``loop``; after, the caller's handlers are back."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
-        signal.signal(sig, partial(_schedule_signal, loop, handler))
+        loop.add_signal_handler(sig, handler, sig)
     try:
         yield
     finally:
         for sig, old in previous.items():
-            signal.signal(sig, signal.SIG_DFL if old is None else old)
+            loop.remove_signal_handler(sig)  # back to the default handler, then to the caller's
+            if old is not None:
+                signal.signal(sig, old)
