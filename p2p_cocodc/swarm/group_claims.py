@@ -23,9 +23,9 @@ that member lied. It may have handed this peer a private pair it never runs, and
 group it does run: every honest member then takes the ``preferred`` of the two (the larger list),
 leaving the other while it has not reduced its slice there (``RoundMachine``): a group it leaves
 can never complete, as its slice's mean is never sent, so one group still completes at most. One
-that has reduced stays, and so never recovers on a liar's word. A
-member that relays a less preferred list of its leader's is not taken for one of another group
-(it comes over once its leader's larger list reaches it).
+that has reduced stays, and so never recovers on a liar's word. A member that relays a less
+preferred list of its leader's is not taken for one of another group (it comes over once its
+leader's larger list reaches it).
 
 A list that names this peer is adopted only on the word of a leader this process joined (its
 GROUP, or a delivery it sent; a member's delivery that comes first is held until then), and only
