@@ -139,7 +139,7 @@ def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_
     assert all(s["stall_s"] < 2 * (8 + 16) for s in summaries), [s["stall_s"] for s in summaries]
 
 
-COMEBACK_STEPS = 384  # the founders must still train when the crashed peer is back (~15 s after)
+COMEBACK_STEPS = 768  # founders still train when the crashed peer is back (unloaded: ~220 steps later)
 
 
 def test_a_crashed_peer_comes_back_on_its_shard_and_ends_with_the_swarms_model(tmp_path: Path) -> None:
