@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.netns import ThinNet, tcp_throughput, thin_network  # noqa: E402
+from tests.swarm_procs import busy_core  # noqa: E402
 
 CLI = [sys.executable, "-m", "p2p_cocodc"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -532,18 +533,13 @@ def main() -> None:
     # SIGTERM (or a CI timeout) must still end the peers and remove the namespaces
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = []
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
-    try:
+    with busy_core() if args.busy else nullcontext():
         for mbps in rates:
             for run in range(args.repeat):
                 name = f"{mbps:g}mbit" + (f"-{run + 1}" if args.repeat > 1 else "")
                 results.append({**run_rate(mbps, args, workdir, name), "busy_core": args.busy})
                 print(report(results[-1]), flush=True)
                 (workdir / "results.json").write_text(json.dumps(results, indent=1))
-    finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait()
     one = sum(r["hashes_equal"] for r in results)
     clean = sum(r["hashes_equal"] and all(p["exit_code"] == 0 for p in r["peers"]) for r in results)
     print(f"\none θ̄ at the end in {one} of {len(results)} runs, every peer exiting 0 in {clean}")

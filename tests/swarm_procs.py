@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
-from contextlib import suppress
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +60,18 @@ def spawn(
     )
 
 
+@contextmanager
+def busy_core() -> Iterator[subprocess.Popen]:
+    """One core of this machine kept busy while open (a spinning Python process, as other work on a
+    shared machine would), ended by its pid on the way out."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        yield spinner
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def end_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
     """End what the test started (never anything else): SIGTERM to the main process, which shuts
     hivemind down and removes its socket files, then SIGKILL to its group after ``grace_s``."""
@@ -96,10 +108,18 @@ def sigkill_like_a_crash(pid: int) -> list[int]:
     helpers = descendants(pid)
     sockets = socket_files(helpers)
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in helpers), 10, "helpers to die")
+    wait_for(lambda: not any(map(is_live, helpers)), 10, "helpers to die")  # their reaping is init's
     for path in sockets:
         path.unlink(missing_ok=True)
     return helpers
+
+
+def is_live(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie (dead, waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def group_members(pgid: int) -> list[int]:
