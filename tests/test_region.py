@@ -3,6 +3,7 @@ speaks to the swarm, and the region computes what a one-process region computes,
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import subprocess
 import sys
@@ -39,12 +40,18 @@ def torchrun(args: list[str], port: int) -> list[str]:
     return [*launcher, "-m", "p2p_cocodc", *args]
 
 
-def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path, parallel: str) -> None:
+    """A 2-rank region (DDP, or FSDP2 with the replica and AdamW sharded and rank 0's whole copy on
+    its host) beside a one-process peer, checkpointing every 8 steps: one θ̄ in the swarm, and it is
+    the simulator's, where every region is one process, to rounding."""
     boot = start_bootstrap(tmp_path)
     procs: list[subprocess.Popen] = []
     try:
         common = ["join", "--bootstrap", boot.host_port, *OPTIONS, "--run-id", "region", "--pace", "fixed"]
-        region = torchrun([*common, "--shard", "0/2", "--out", "a.jsonl", "--save", "a-model"], free_port())
+        mine = ["--shard", "0/2", "--out", "a.jsonl", "--save", "a-model", "--region-parallel", parallel]
+        mine += ["--checkpoint-dir", "ck", "--checkpoint-every", "8"]  # the region's state, gathered mid-run
+        region = torchrun([*common, *mine], free_port())
         log = open(tmp_path / "a.log", "w")  # noqa: SIM115 - the process owns it until it ends
         procs.append(
             subprocess.Popen(
@@ -66,6 +73,12 @@ def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path) -> N
     assert a["kind"] == b["kind"] == "summary"
     assert a["rounds_done"] >= 4 and a["rounds_failed"] == 0
     assert a["global_params_sha256"] == b["global_params_sha256"]  # one θ̄ in the swarm, bit for bit
+    assert a["region_ranks"] == 2 and a["region_parallel"] == parallel and "region_ranks" not in b
+    whole = sum(t.numel() * 4 for t in load_file(tmp_path / "sim-model" / "model.safetensors").values())
+    # rank 0's device holds the whole replica, or its half of every parameter (FSDP2 pads an odd row)
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step-*.json"))[-1] == "step-00000024.json"
+    held = a["region_param_bytes_per_rank"]
+    assert held == whole if parallel == "ddp" else whole / 2 <= held < 0.55 * whole, (held, whole)
     reference = load_file(tmp_path / "sim-model" / "model.safetensors")
     got = load_file(tmp_path / "a-model" / "model.safetensors")
     worst = max(float((got[k] - reference[k]).abs().max()) for k in reference)
@@ -111,6 +124,16 @@ def test_a_region_refuses_what_it_cannot_train(tmp_path: Path, extra: list[str],
         assert message in err and "Traceback" not in err, err
 
 
+def test_fsdp_outside_torchrun_is_one_line(tmp_path: Path) -> None:
+    """One process cannot shard its replica: the line says to start it under torchrun."""
+    done = run_cli(
+        ["join", "--bootstrap", "127.0.0.1:9", *OPTIONS, "--region-parallel", "fsdp"], tmp_path, 60
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "--region-parallel fsdp" in lines[0] and "torchrun --nproc-per-node" in lines[0], lines
+
+
 def test_when_rank_0_fails_every_rank_of_the_region_stops(tmp_path: Path) -> None:
     """Rank 0 cannot reach the swarm (nothing listens at the bootstrap's address): it says so, and
     the rank that waits for its orders stops too instead of waiting."""
@@ -145,21 +168,21 @@ def _rank(rank: int, port: int, diverge: bool, results: Any) -> None:
             if rank == 1:
                 with torch.no_grad():
                     params[0].add_(1.0)  # out of step until rank 0's whole state arrives
-                region.follow(trainer, lambda _shard, step: shard.batch(step - 1))
+                region.follow(lambda _shard, step: shard.batch(step - 1))
                 results.put((rank, "ok"))
                 return
             with region.leading():
-                region.lead_step(trainer, 0, *shard.batch(0), 1)
+                region.lead_step(0, *shard.batch(0), 1)
                 with torch.no_grad():  # what taking the swarm's state does: new parameters, fresh AdamW
                     for p in params:
                         p.mul_(0.5)
                 trainer.reset()
                 region.whole = not diverge
-                region.lead_step(trainer, 0, *shard.batch(1), 2)
+                region.lead_step(0, *shard.batch(1), 2)
                 with torch.no_grad():
                     params[3].add_(0.25)  # a merged fragment
                 region.changed_params([params[3]], trainer.model)
-                region.lead_step(trainer, 0, *shard.batch(2), 3)
+                region.lead_step(0, *shard.batch(2), 3)
                 with torch.no_grad():
                     params[5].sub_(0.25)  # a result due at the last step: it goes with the end
                 region.changed_params([params[5]], trainer.model)
@@ -193,3 +216,97 @@ def test_rank_0_hands_its_ranks_whole_states_and_merged_fragments_and_a_divergen
         assert "the region's ranks diverged" in got[1], got
     else:
         assert got[1] == "ok", got
+
+
+def _fsdp_rank(rank: int, port: int, results: Any) -> None:
+    """One rank of an in-process fsdp region. Rank 0 orders steps, merges a fragment into its host
+    replica, hands over a whole trainer state and gathers the region's, and checks each against a
+    one-process trainer doing the same on the whole batch; rank 1 follows."""
+    import os
+
+    from p2p_cocodc.config.train import build_config
+    from p2p_cocodc.errors import UserError
+    from p2p_cocodc.peer.region import Region
+    from p2p_cocodc.run.setup import TrainingSetup
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    cfg = build_config(
+        {}, {"model": "nano", "tokenizer": "byte", "seq_len": 32, "batch_size": 4, "device": "cpu"}
+    )
+    region = Region(rank, 2, rank, "fsdp")
+    try:
+        with region.joined(cfg, {}):
+            setup = TrainingSetup(cfg, region.placement)
+            view = region.wrap(setup.trainer())
+            shard = setup.shard(0, 1)
+            if rank == 1:
+                region.follow(lambda _shard, step: shard.batch(step - 1))
+                results.put((rank, 0.0))
+                return
+            one = setup.trainer()  # a one-process region's trainer, on the whole batch
+            host, ref = list(view.model.parameters()), list(one.model.parameters())
+            worst = 0.0
+
+            def compare() -> None:
+                nonlocal worst
+                state, expected = view.state_dict(), one.state_dict()
+                for name, tensor in expected["model"].items():
+                    worst = max(worst, float((state["model"][name] - tensor).abs().max()))
+                assert state["adamw"]["state"].keys() == expected["adamw"]["state"].keys()
+                for key, moments in expected["adamw"]["state"].items():
+                    got = state["adamw"]["state"][key]
+                    assert float(got["step"]) == float(moments["step"])
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        worst = max(worst, float((got[name] - moments[name]).abs().max()))
+
+            with region.leading():
+                for step in (1, 2):
+                    region.lead_step(0, *shard.batch(step - 1), step)
+                    one.step(*shard.batch(step - 1), step)
+                compare()
+                region.lead_step(0, *shard.batch(2), 3)  # the host replica is a step behind now
+                one.step(*shard.batch(2), 3)
+                region.collect([host[3]], view.model)  # a merge reads its fragment, then writes it
+                with torch.no_grad():
+                    host[3].add_(0.25)
+                    ref[3].add_(0.25)
+                region.changed_params([host[3]], view.model)
+                region.lead_step(0, *shard.batch(3), 4)
+                one.step(*shard.batch(3), 4)
+                compare()
+                # what a resumed run loads: a whole other trainer state (parameters and moments)
+                other = copy.deepcopy(one.state_dict())
+                other["model"] = {k: v * 0.5 for k, v in other["model"].items()}
+                for moments in other["adamw"]["state"].values():
+                    moments["exp_avg"] *= 2.0
+                one.load_state_dict(other)
+                view.load_state_dict(other)
+                region.whole = True
+                region.lead_step(0, *shard.batch(4), 5)
+                one.step(*shard.batch(4), 5)
+                compare()
+            results.put((rank, worst))
+    except (UserError, AssertionError) as exc:
+        results.put((rank, repr(exc)))
+
+
+def test_an_fsdp_region_merges_hands_over_and_gathers_the_state_of_a_one_process_region() -> None:
+    """The fsdp orders in one 2-rank gloo world: steps, a fragment gathered from the shards, merged
+    on rank 0's host and scattered back, a whole trainer state handed to the shards (a resume), and
+    the region's state gathered (a checkpoint): parameters and AdamW moments stay a one-process
+    trainer's on the whole batch, to rounding (FSDP2 averages two half-batch gradients)."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_fsdp_rank, args=(r, port, results)) for r in (0, 1)]
+    for proc in ranks:
+        proc.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in ranks)
+    finally:
+        for proc in ranks:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert got[1] == 0.0, got
+    assert isinstance(got[0], float) and got[0] <= TOLERANCE, got

@@ -117,22 +117,14 @@ class InnerTrainer:
             "model": dict(self.model.state_dict()),
             "adamw": {
                 "state": {str(i): dict(s) for i, s in adamw["state"].items()},
-                "param_groups": [{**g, "betas": list(g["betas"])} for g in adamw["param_groups"]],
+                "param_groups": adamw_groups(self.optimizer),
             },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take over a ``state_dict()`` of a trainer of the same model: strict, shapes checked."""
         self.model.load_state_dict(state["model"])
-        params = list(self.model.parameters())
-        moments = {}
-        for key, saved in state["adamw"]["state"].items():
-            i = int(key)
-            if not 0 <= i < len(params):
-                raise ValueError(f"AdamW state for parameter {i}, but the model has {len(params)}")
-            for name in ("exp_avg", "exp_avg_sq"):
-                expect_tensor(saved[name], params[i].detach(), f"AdamW {name} of parameter {i}")
-            moments[i] = saved
+        moments = checked_adamw_state(state["adamw"]["state"], [p.detach() for p in self.model.parameters()])
         # how the update runs (fused, foreach) is this device's choice, not the saved run's
         ours = self.optimizer.param_groups[0]
         how = {k: ours[k] for k in ("fused", "foreach", "capturable") if k in ours}
@@ -154,3 +146,22 @@ def evaluate(
             logits = model(x)
             total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)))
     return total / len(batches)
+
+
+def adamw_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """AdamW's hyperparameters per group, as a trainer state holds them (betas as a list)."""
+    return [{**g, "betas": list(g["betas"])} for g in optimizer.state_dict()["param_groups"]]
+
+
+def checked_adamw_state(state: dict[str, Any], params: list[torch.Tensor]) -> dict[int, Any]:
+    """A trainer state's AdamW moments, keyed by parameter index, each checked against its
+    parameter's shape and dtype (ValueError naming the first that does not fit)."""
+    moments = {}
+    for key, saved in state.items():
+        i = int(key)
+        if not 0 <= i < len(params):
+            raise ValueError(f"AdamW state for parameter {i}, but the model has {len(params)}")
+        for name in ("exp_avg", "exp_avg_sq"):
+            expect_tensor(saved[name], params[i], f"AdamW {name} of parameter {i}")
+        moments[i] = saved
+    return moments

@@ -288,7 +288,12 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
         from p2p_cocodc.run.checkpoint import find_resume_point
         from p2p_cocodc.swarm.dht import check_listen_address
 
-        region = Region.from_env()  # under torchrun: this region's replica is trained by several processes
+        region = Region.from_env(opts.region_parallel)  # under torchrun: several processes train the replica
+        if region is None and opts.region_parallel != "ddp":
+            raise UserError(
+                f"--region-parallel {opts.region_parallel} shards the replica across a region's ranks: start "
+                "the peer with torchrun --nproc-per-node G (G ≥ 2), or leave the option out"
+            )
         # the process that will listen: a taken --port now, not after set-up
         if region is None or region.leads:
             check_listen_address(opts.host, opts.port, opts.port_taken())

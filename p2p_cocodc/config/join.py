@@ -73,6 +73,13 @@ class SwarmOptions:
         "(every peer takes the pace a round agreed); fixed: never ask",
         ("link", "fixed"),
     )
+    region_parallel: str = opt(
+        "ddp",
+        "under torchrun, how the region's ranks hold its replica: ddp (each rank all of it), fsdp "
+        "(FSDP2: parameters, gradients and AdamW sharded across the ranks; rank 0 keeps a whole copy "
+        "on its host for the syncs)",
+        ("ddp", "fsdp"),
+    )
     # the name operators see (bars, status, metrics); None: the peer id
     region: str | None = opt(
         None,
@@ -98,6 +105,8 @@ class SwarmOptions:
         check_region(self.region)
         if self.pace not in ("link", "fixed"):
             raise UserError(f"--pace {self.pace!r}: use 'link' or 'fixed'")
+        if self.region_parallel not in ("ddp", "fsdp"):
+            raise UserError(f"--region-parallel {self.region_parallel!r}: use 'ddp' or 'fsdp'")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise UserError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 ≤ I < N")
         if self.port and self.port == self.metrics_port:

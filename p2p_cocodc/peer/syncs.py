@@ -79,9 +79,10 @@ class SwarmReplica:
         self.metrics = metrics
         self.pace = pace
         self.round_timeout_s = round_timeout_s
-        self.trainer, self.strategy = setup.replica(settings)
-        if region is not None:
-            region.wrap(self.trainer)
+        trainer = setup.trainer()
+        # what the peer reads and writes as its replica: the trainer, or an fsdp region's host copy
+        self.trainer = region.wrap(trainer) if region is not None else trainer
+        self.strategy = setup.strategy(self.trainer.model, settings, self.trainer.placement)
         self.eval_model = setup.eval_model()
         self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
         self.step = 0
@@ -217,7 +218,7 @@ class SwarmReplica:
         of, and applies them when they are due, like every other peer."""
         self.cancel_syncs()
         self.trainer.reset()
-        self.strategy = self.setup.strategy(self.trainer.model, self.settings)
+        self.strategy = self.setup.strategy(self.trainer.model, self.settings, self.trainer.placement)
         if self.region is not None:
             self.region.whole = True
         try:
@@ -283,7 +284,7 @@ class SwarmReplica:
     async def _inner_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float | torch.Tensor:
         if self.region is not None:
             region = self.region
-            return await self.compute(region.lead_step, self.trainer, self.shard_index, x, y, step)
+            return await self.compute(region.lead_step, self.shard_index, x, y, step)
         if not self.strategy.averages_gradients:
             return await self.compute(self.trainer.step, x, y, step)
         # the gradient all-reduce sits between backward and the optimizer step
@@ -320,7 +321,9 @@ class SwarmReplica:
         taken (on the device); its copy to the host, the outer gradient, the exchange and the outer
         step the result leads to run in the sync's task (``_sync``)."""
         started = time.perf_counter()
-        snapshot = self.setup.placement.to_host(self.strategy.send(p, step))  # type: ignore[attr-defined]
+        if self.region is not None:  # an fsdp region gathers the fragment from its ranks' shards
+            self.region.collect(self.strategy.fragments[p].params, self.trainer.model)
+        snapshot = self.trainer.placement.to_host(self.strategy.send(p, step))  # type: ignore[attr-defined]
         self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, self._pace_wish()))
         self.boundary_s += time.perf_counter() - started
 
@@ -395,6 +398,8 @@ class SwarmReplica:
         self.failed_in_a_row = 0
         self._record_round(round_id, completed=True)
         was = strategy.send_spacing()
+        if self.region is not None:  # the merge reads the fragment's local progress
+            self.region.collect(strategy.fragments[p].params, self.trainer.model)
         strategy.apply(p, prepared, step, spacing=self.exchange.groups[round_id].pace)  # type: ignore[attr-defined]
         if self.region is not None:
             self.region.changed_params(strategy.fragments[p].params, self.trainer.model)
@@ -548,6 +553,7 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         "step_time_s": replica.step_time_s,
         "tokens_per_s": replica.tokens_per_s(),
         "peak_memory_bytes": peak_memory_bytes(replica.setup.placement.device),
+        **(replica.region.summary_fields() if replica.region is not None else {}),
         "rounds_done": stats.rounds_done,
         "rounds_failed": stats.rounds_failed,
         "bytes_resent": stats.bytes_resent,

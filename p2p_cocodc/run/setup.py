@@ -80,9 +80,12 @@ class TrainingSetup:
         model = copy.deepcopy(self.base).to(self.placement.device)
         return InnerTrainer(model, self.inner, self.placement, self.cfg.compile)
 
-    def strategy(self, model: nn.Module, settings: AlgoSettings) -> ReplicaStrategy:
-        """The strategy of a replica ``model`` (θ̄ starts as the model's parameters)."""
-        return make_strategy(model, settings, self.inner.decay_between, self.placement)
+    def strategy(
+        self, model: nn.Module, settings: AlgoSettings, placement: Placement | None = None
+    ) -> ReplicaStrategy:
+        """The strategy of a replica ``model`` on ``placement`` (default: the replica's device);
+        θ̄ starts as the model's parameters."""
+        return make_strategy(model, settings, self.inner.decay_between, placement or self.placement)
 
     def eval_model(self) -> nn.Module:
         """A copy of the model on the replica's device, that evaluations load θ̄ into."""
