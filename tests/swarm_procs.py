@@ -38,6 +38,22 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def torchrun(args: list[str], port: int, ranks: int = 2) -> list[str]:
+    """``torchrun --nproc-per-node RANKS -m p2p_cocodc ARGS`` on 127.0.0.1, as a command line."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"]
+    launcher += [
+        "--nproc-per-node",
+        str(ranks),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--tee",
+        "3",
+    ]
+    return [*launcher, "-m", "p2p_cocodc", *args]
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     """``p2p-cocodc ARGS`` to completion, output captured."""
     return subprocess.run(CLI + args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)

@@ -1,12 +1,12 @@
-"""A region of several processes (torchrun): its ranks train one replica with DDP over gloo, rank 0
-speaks to the swarm, and the region computes what a one-process region computes, to rounding."""
+"""A region of several processes (torchrun): its ranks train one replica over gloo, whole on each
+rank (DDP) or sharded (FSDP2, --region-parallel fsdp), rank 0 speaks to the swarm, and the region
+computes what a one-process region computes, to rounding."""
 
 from __future__ import annotations
 
 import copy
 import multiprocessing
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from tests.swarm_procs import (
     run_cli,
     spawn,
     start_bootstrap,
+    torchrun,
 )
 from tests.tiny_options import TWO_PEERS
 
@@ -31,13 +32,6 @@ OPTIONS = [*TWO_PEERS, "--device", "cpu"]
 # whole batch's up to float rounding, which AdamW's normalised steps carry on; over 24 steps the
 # largest difference measured was 9e-7. A region that trained on half its batch differs by ~1e-2.
 TOLERANCE = 1e-5
-
-
-def torchrun(args: list[str], port: int) -> list[str]:
-    """``torchrun --nproc-per-node 2 -m p2p_cocodc ARGS`` on 127.0.0.1, as a command line."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
-    launcher += ["--master-addr", "127.0.0.1", "--master-port", str(port), "--tee", "3"]
-    return [*launcher, "-m", "p2p_cocodc", *args]
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -51,13 +45,7 @@ def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path, para
         common = ["join", "--bootstrap", boot.host_port, *OPTIONS, "--run-id", "region", "--pace", "fixed"]
         mine = ["--shard", "0/2", "--out", "a.jsonl", "--save", "a-model", "--region-parallel", parallel]
         mine += ["--checkpoint-dir", "ck", "--checkpoint-every", "8"]  # the region's state, gathered mid-run
-        region = torchrun([*common, *mine], free_port())
-        log = open(tmp_path / "a.log", "w")  # noqa: SIM115 - the process owns it until it ends
-        procs.append(
-            subprocess.Popen(
-                region, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
-            )
-        )
+        procs.append(spawn([], tmp_path, "a.log", command=torchrun([*common, *mine], free_port())))
         procs.append(
             spawn([*common, "--shard", "1/2", "--out", "b.jsonl", "--save", "b-model"], tmp_path, "b.log")
         )
