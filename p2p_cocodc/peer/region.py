@@ -391,11 +391,17 @@ class Region:
             self._scatter_adamw()
         shards = self._shards()
         host = list(self.host.model.parameters()) if self.host is not None else None
-        for i in order.params:
-            self._scatter(host[i] if host is not None else None, shards[i])
-        for i in range(len(shards)) if order.collect_state else order.collect:
-            self._gather(shards[i], host[i] if host is not None else None)
-        return self._gather_adamw() if order.collect_state else None
+        if order.params:  # a merge's fragment: one scatter
+            fulls = [host[i] for i in order.params] if host is not None else None
+            self._scatter_fragment(fulls, [shards[i] for i in order.params])
+        if order.collect:  # a fragment the peer reads: one all-gather
+            into = [host[i] for i in order.collect] if host is not None else None
+            self._gather_fragment([shards[i] for i in order.collect], into)
+        if not order.collect_state:
+            return None
+        for i, shard in enumerate(shards):  # the whole replica, a tensor at a time
+            self._gather(shard, host[i] if host is not None else None)
+        return self._gather_adamw()
 
     def _shards(self) -> list[Any]:
         assert self.trainer is not None
@@ -412,6 +418,64 @@ class Region:
         piece = distribute_tensor(source, shard.device_mesh, shard.placements)  # from rank 0
         with torch.no_grad():
             shard.to_local().copy_(piece.to_local())
+
+    def _parts(self, shard: Any) -> list[torch.Size]:
+        """The shape of each rank's part of ``shard``: FSDP2 cuts dim 0 as ``torch.chunk`` does,
+        and ranks past the last chunk hold empty parts."""
+        chunks = [c.shape for c in torch.chunk(torch.empty(shard.shape, device="meta"), self.world, dim=0)]
+        return chunks + [torch.Size((0, *shard.shape[1:]))] * (self.world - len(chunks))
+
+    def _flat_layout(self, shards: list[Any]) -> tuple[list[list[torch.Size]], list[int], int]:
+        """Each shard's parts per rank, each rank's total numel, and the widest (the buffers' size)."""
+        parts = [self._parts(shard) for shard in shards]
+        sizes = [sum(p[r].numel() for p in parts) for r in range(self.world)]
+        for shard, p in zip(shards, parts, strict=True):
+            if shard.to_local().shape != p[self.rank] or shard.dtype != shards[0].dtype:
+                raise RuntimeError(f"a shard of {tuple(shard.shape)} is not cut as FSDP2's dim-0 chunks")
+        return parts, sizes, max(sizes)
+
+    def _gather_fragment(self, shards: list[Any], into: list[torch.Tensor] | None) -> None:
+        """A fragment's parameters, whole, copied ``into`` rank 0's host tensors: every rank's parts
+        flattened into one buffer, one all-gather (a collective per fragment, not per parameter)."""
+        parts, sizes, width = self._flat_layout(shards)
+        flat = torch.zeros(width, dtype=shards[0].dtype, device=shards[0].device)
+        flat[: sizes[self.rank]] = torch.cat([shard.detach().to_local().reshape(-1) for shard in shards])
+        everyone = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(everyone, flat)
+        if into is None:
+            return
+        cut = [
+            buffer[:size].split([p[r].numel() for p in parts])
+            for r, (buffer, size) in enumerate(zip(everyone, sizes, strict=True))
+        ]
+        with torch.no_grad():
+            for i, (target, p) in enumerate(zip(into, parts, strict=True)):
+                target.copy_(torch.cat([cut[r][i].view(p[r]) for r in range(self.world)]))
+
+    def _scatter_fragment(self, fulls: list[torch.Tensor] | None, shards: list[Any]) -> None:
+        """Rank 0's whole tensors of a fragment (None elsewhere) into every rank's parts of them: one
+        flat buffer per rank, one scatter."""
+        parts, sizes, width = self._flat_layout(shards)
+        dtype, device = shards[0].dtype, shards[0].device
+        mine = torch.empty(width, dtype=dtype, device=device)
+        sent = None
+        if fulls is not None:
+            pieces = [
+                full.detach().split([p[r][0] for r in range(self.world)])
+                for full, p in zip(fulls, parts, strict=True)
+            ]
+            sent = [torch.zeros(width, dtype=dtype, device=device) for _ in range(self.world)]
+            for r, buffer in enumerate(sent):
+                buffer[: sizes[r]] = torch.cat([piece[r].reshape(-1) for piece in pieces]).to(device)
+        dist.scatter(mine, sent, src=0)
+        with torch.no_grad():
+            for shard, piece, p in zip(
+                shards,
+                mine[: sizes[self.rank]].split([p[self.rank].numel() for p in parts]),
+                parts,
+                strict=True,
+            ):
+                shard.to_local().copy_(piece.view(p[self.rank]))
 
     def _gather(self, shard: Any, into: torch.Tensor | None) -> torch.Tensor:
         """Every rank's part of ``shard``, whole (a collective); copied ``into`` rank 0's host tensor."""
