@@ -221,6 +221,9 @@ def _fsdp_rank(rank: int, port: int, results: Any) -> None:
     cfg = build_config(
         {}, {"model": "nano", "tokenizer": "byte", "seq_len": 32, "batch_size": 4, "device": "cpu"}
     )
+    import p2p_cocodc.peer.shards as shards
+
+    shards.BUCKET = 3000  # fragments cross in several buckets, a larger tensor alone in its own
     region = Region(rank, 2, rank, "fsdp")
     try:
         with region.joined(cfg, {}):
@@ -254,11 +257,12 @@ def _fsdp_rank(rank: int, port: int, results: Any) -> None:
                 compare()
                 region.lead_step(0, *shard.batch(2), 3)  # the host replica is a step behind now
                 one.step(*shard.batch(2), 3)
-                region.collect([host[3]], view.model)  # a merge reads its fragment, then writes it
+                region.collect(host[1:9], view.model)  # a merge reads its fragment, then writes it
                 with torch.no_grad():
-                    host[3].add_(0.25)
-                    ref[3].add_(0.25)
-                region.changed_params([host[3]], view.model)
+                    for mine, theirs in zip(host[1:9], ref[1:9], strict=True):
+                        mine.add_(0.25)
+                        theirs.add_(0.25)
+                region.changed_params(host[1:9], view.model)
                 region.lead_step(0, *shard.batch(3), 4)
                 one.step(*shard.batch(3), 4)
                 compare()

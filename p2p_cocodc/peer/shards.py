@@ -7,9 +7,11 @@ rank 0's whole copy, the model the peer's strategy reads and writes. ``Shards`` 
 between the two, as the region's orders say, with collectives every rank runs together:
 
 - a fragment the peer reads (a send's snapshot, a merge): every rank's parts of its parameters
-  flattened into one buffer, one all-gather, the whole tensors copied into the host replica;
+  flattened into one buffer, one gather to rank 0, the whole tensors copied into the host replica;
 - a fragment the peer wrote (a merge): rank 0 cuts each whole tensor into the ranks' parts, one
   flat buffer per rank, one scatter;
+- both in buckets of at most ``BUCKET`` values, so rank 0's device holds at most that much of a
+  fragment whole at a time (the other ranks, their parts of it);
 - a whole trainer state (taking the swarm's state, a resume): parameters and buffers, then AdamW's
   moments, a tensor at a time (no buffer of the model's size on any device);
 - the whole trainer state gathered to rank 0 (a checkpoint), a tensor at a time, in the format of a
@@ -29,6 +31,8 @@ from torch.distributed.tensor import distribute_tensor
 from p2p_cocodc.algorithms.devices import Placement
 from p2p_cocodc.algorithms.inner import InnerTrainer, adamw_groups, checked_adamw_state
 from p2p_cocodc.errors import UserError
+
+BUCKET = 1 << 26  # values one flat collective moves at most (256 MB in fp32), a larger tensor alone
 
 
 def shard_model(model: nn.Module) -> None:
@@ -147,13 +151,18 @@ class Shards:
 
     def _gather_fragment(self, shards: list[Any], into: list[torch.Tensor] | None) -> None:
         """A fragment's parameters, whole, copied ``into`` rank 0's host tensors: every rank's parts
-        flattened into one buffer, one all-gather (a collective per fragment, not per parameter)."""
+        flattened into one buffer per bucket, one gather to rank 0 per bucket (not per parameter)."""
+        for bucket in self._buckets(shards):
+            mine = [shards[i] for i in bucket]
+            self._gather_bucket(mine, [into[i] for i in bucket] if into is not None else None)
+
+    def _gather_bucket(self, shards: list[Any], into: list[torch.Tensor] | None) -> None:
         parts, sizes, width = self._flat_layout(shards)
         flat = torch.zeros(width, dtype=shards[0].dtype, device=shards[0].device)
         flat[: sizes[self.rank]] = torch.cat([shard.detach().to_local().reshape(-1) for shard in shards])
-        everyone = [torch.empty_like(flat) for _ in range(self.world)]
-        dist.all_gather(everyone, flat)
-        if into is None:
+        everyone = [torch.empty_like(flat) for _ in range(self.world)] if into is not None else None
+        dist.gather(flat, everyone, dst=0)
+        if into is None or everyone is None:
             return
         cut = [
             buffer[:size].split([p[r].numel() for p in parts])
@@ -165,7 +174,12 @@ class Shards:
 
     def _scatter_fragment(self, fulls: list[torch.Tensor] | None, shards: list[Any]) -> None:
         """Rank 0's whole tensors of a fragment (None elsewhere) into every rank's parts of them: one
-        flat buffer per rank, one scatter."""
+        flat buffer per rank and bucket, one scatter per bucket."""
+        for bucket in self._buckets(shards):
+            mine = [shards[i] for i in bucket]
+            self._scatter_bucket([fulls[i] for i in bucket] if fulls is not None else None, mine)
+
+    def _scatter_bucket(self, fulls: list[torch.Tensor] | None, shards: list[Any]) -> None:
         parts, sizes, width = self._flat_layout(shards)
         dtype, device = shards[0].dtype, shards[0].device
         mine = torch.empty(width, dtype=dtype, device=device)
@@ -187,6 +201,21 @@ class Shards:
                 strict=True,
             ):
                 shard.to_local().copy_(piece.view(p[self.rank]))
+
+    @staticmethod
+    def _buckets(shards: list[Any]) -> list[list[int]]:
+        """Consecutive shards grouped so that a bucket's whole tensors hold at most ``BUCKET``
+        values (a larger tensor alone): what one collective moves, and rank 0's device holds whole
+        for a moment, stays bounded whatever the fragment's size."""
+        buckets: list[list[int]] = []
+        held = 0
+        for i, shard in enumerate(shards):
+            if not buckets or held + shard.numel() > BUCKET:
+                buckets.append([])
+                held = 0
+            buckets[-1].append(i)
+            held += shard.numel()
+        return buckets
 
     def _gather(self, shard: Any, into: torch.Tensor | None) -> torch.Tensor:
         """Every rank's part of ``shard``, whole (a collective); copied ``into`` rank 0's host tensor."""
