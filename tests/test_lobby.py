@@ -281,6 +281,21 @@ def test_dead_swarm_records_are_ignored_while_resuming() -> None:
     assert decide({**dead, ME: W}) == Wait("no training peer moved in")
 
 
+def test_a_swarm_restarted_at_once_waits_out_the_killed_processes_records() -> None:
+    """Every peer killed (a power cut) and started again with --resume within a record's lifetime,
+    with the same identities: the board still holds the killed processes' records under their ids,
+    ours among them, and one still at step 0 (killed before a heartbeat published a later step).
+    They are neither peers starting afresh nor a run under way: wait until the restarted peers'
+    own records replace them."""
+    me = seat(workers=2, resume_step=32, shard=1)
+    killed = {"aaa": t(0, shard=0), ME: t(40, shard=1)}
+    assert isinstance(decide(killed, me), Wait)
+    ours_first = {"aaa": t(0, shard=0), ME: R(resume_step=32, shard=1)}
+    assert isinstance(watched([killed, ours_first], me), Wait)
+    back = {"aaa": R(resume_step=32, shard=0), ME: R(resume_step=32, shard=1)}
+    assert watched([killed, ours_first, back], me) == Start(1, 32, ("aaa", ME))
+
+
 def test_a_moving_record_is_not_dead() -> None:
     me = seat(resume_step=10, shard=1)
     before = {"aaa": t(12, shard=0), ME: R(resume_step=10, shard=1)}

@@ -154,11 +154,11 @@ def admit(view: View, seat: Seat, first_steps: Mapping[str, int] | None) -> tupl
     if odd is not None:
         return Mismatch(odd), first
     check_not_ended(same, seat)
-    # our own record may be a stale one of this identity's previous process: not a peer
+    stale_self = stale_own_record(same.get(seat.peer_id), seat)
     training = {p: r for p, r in same.items() if r.state == "training" and p != seat.peer_id}
     moving = {p for p, r in training.items() if r.step > first.setdefault(p, r.step)}
-    if seat.resume_step is not None:  # a killed swarm's records: past step 0, not resumed, still
-        dead = {p for p, r in training.items() if r.step > 0 > r.resume_step and p not in moving}
+    if seat.resume_step is not None:  # a killed swarm's records: not resumed, still (step 0 too)
+        dead = {p for p, r in training.items() if r.resume_step < 0 and p not in moving}
         same = {p: r for p, r in same.items() if p not in dead}
         training = {p: r for p, r in training.items() if p not in dead}
     refused = refused_for_shards(same, seat, first_look=first_steps is None)  # about to exit: not of the run
@@ -173,7 +173,7 @@ def admit(view: View, seat: Seat, first_steps: Mapping[str, int] | None) -> tupl
                 "another --run-id, or a DiLoCo-family --algo"
             )
         return Join(free_shard(same, seat)), first
-    live = sorted(p for p, r in same.items() if r.state in LIVE)
+    live = sorted(p for p, r in same.items() if r.state in LIVE and not (p == seat.peer_id and stale_self))
     if len(live) >= seat.workers and seat.peer_id in live:
         shard = settle_shard(live, same, seat)
         resume = None
@@ -181,6 +181,16 @@ def admit(view: View, seat: Seat, first_steps: Mapping[str, int] | None) -> tupl
             resume = resume_from(live, same, seat)
         return Start(shard, resume, tuple(live)), first
     return Wait(f"only {len(live)} of --workers {seat.workers} peers joined", tuple(live)), first
+
+
+def stale_own_record(own: Record | None, seat: Seat) -> bool:
+    """Whether the record under our own id is our identity's previous process's (a peer killed and
+    started again within its record's lifetime): one that trained past its start, or that resumes
+    otherwise than we do. Such a record is not ours yet, and not a peer: we wait for ours."""
+    if own is None or own.state != "training":
+        return False
+    ours = -1 if seat.resume_step is None else seat.resume_step
+    return own.step > max(own.resume_step, 0) or own.resume_step != ours
 
 
 def run_end(records: Iterable[Record]) -> int | None:
