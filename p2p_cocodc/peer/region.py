@@ -22,11 +22,12 @@ How the ranks hold the replica (``--region-parallel``):
   each rank holds 1/G of the parameters, gradients and moments (16/G bytes per parameter), and
   gathers a block's parameters only while it computes with them. The peer's fragments, θ̄ and
   outer step stay as they are, on rank 0's host: rank 0 keeps the whole replica there
-  (``shards.py``'s ``HostReplica``, 4 bytes per parameter of host memory beside θ̄'s). Before the peer reads a
-  fragment of it (a send's snapshot, a merge), an order has the ranks gather that fragment's
-  parameters into it (``collect``); what the peer writes there goes back to the shards with the next
-  order, scattered from rank 0. Only the fragments a sync touches cross between host and devices,
-  as in a one-process region on a GPU, where the same bytes go to the host for the snapshot.
+  (``shards.py``'s ``HostReplica``, 4 bytes per parameter of host memory beside θ̄'s). Before the
+  peer reads a fragment of it (a send's snapshot, a merge), an order has the ranks gather that
+  fragment's parameters into it (``collect``); what the peer writes there goes back to the shards
+  with the next order, scattered from rank 0. Only the fragments a sync touches cross between host
+  and devices, as in a one-process region on a GPU, where the same bytes go to the host for the
+  snapshot.
 """
 
 from __future__ import annotations

@@ -248,6 +248,9 @@ class Shards:
         if box[0] is None:
             return
         shards = self._shards()
+        on_device = any(
+            group.get(k) for group in self.trainer.optimizer.param_groups for k in ("fused", "capturable")
+        )
         for key, step in sorted(box[0].items(), key=lambda kv: int(kv[0])):
             shard = shards[int(key)]
             moments = {}
@@ -255,11 +258,10 @@ class Shards:
                 moment = torch.zeros_like(shard)
                 self._scatter(saved["state"][key][name] if saved is not None else None, moment)
                 moments[name] = moment
-            on_device = any(
-                group.get(k) for group in self.trainer.optimizer.param_groups for k in ("fused", "capturable")
-            )
             count = torch.tensor(step, dtype=torch.float32, device=shard.device if on_device else "cpu")
             self.trainer.optimizer.state[shard] = {"step": count, **moments}
+        if self.host is not None:
+            self.host.adamw = None  # handed over: the moments live in the shards now
 
     def _gather_adamw(self) -> dict[str, Any] | None:
         """Every rank's AdamW moments, whole, to rank 0's host: its trainer state's "adamw" part
