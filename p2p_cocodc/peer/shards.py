@@ -47,10 +47,14 @@ def shard_model(model: nn.Module) -> None:
             f"{torch.__version__}): upgrade torch, or use --region-parallel ddp"
         ) from None
 
-    for module in list(model.modules()):
-        if isinstance(module, nn.ModuleList):
-            for block in module:
-                fully_shard(block)
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()  # modules within a block already chosen (a MoE layer's experts)
+    for module in model.modules():  # parents before children: the outermost layer lists
+        if isinstance(module, nn.ModuleList) and id(module) not in inside:
+            blocks += list(module)
+            inside.update(id(m) for block in module for m in block.modules())
+    for block in blocks:
+        fully_shard(block)
     fully_shard(model)
 
 
@@ -107,10 +111,10 @@ class Shards:
             self._scatter_adamw()
         shards = self._shards()
         host = list(self.host.model.parameters()) if self.host is not None else None
-        if params:  # a merge's fragment: one scatter
+        if params:  # a merge's fragment: scattered from rank 0, a bucket at a time
             fulls = [host[i] for i in params] if host is not None else None
             self._scatter_fragment(fulls, [shards[i] for i in params])
-        if collect:  # a fragment the peer reads: one all-gather
+        if collect:  # a fragment the peer reads: gathered to rank 0, a bucket at a time
             into = [host[i] for i in collect] if host is not None else None
             self._gather_fragment([shards[i] for i in collect], into)
         if not collect_state:
