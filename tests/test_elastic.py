@@ -90,7 +90,7 @@ def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
     assert replayed["global_params_sha256"] == summaries[0]["global_params_sha256"]
 
 
-JOIN_STEPS = 640  # the founders must still train when the joiner joined and the fifth was refused (~20 s)
+JOIN_STEPS = 1024  # founders still train when the fifth is refused (in CI it took 28 s to start)
 
 
 def test_a_peer_joins_a_run_in_progress_and_a_fifth_is_refused(tmp_path: Path) -> None:
