@@ -131,20 +131,44 @@ def test_when_rank_0_fails_every_rank_of_the_region_stops(tmp_path: Path) -> Non
     assert "rank 0 of this region failed" in err1 and "Traceback" not in err1, err1
 
 
-def _rank(rank: int, port: int, diverge: bool, results: Any) -> None:
-    """One rank of an in-process region: rank 0 orders three steps (the second hands over a whole
-    new trainer state, the third a changed parameter), then the end; rank 1 follows."""
+def world_of_two(rank: int, port: int) -> Any:
+    """In a spawned process: the variables of a 2-rank world on 127.0.0.1, and a tiny run's config."""
     import os
 
     from p2p_cocodc.config.train import build_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    return build_config(
+        {}, {"model": "nano", "tokenizer": "byte", "seq_len": 32, "batch_size": 4, "device": "cpu"}
+    )
+
+
+def two_ranks(target: Any, *args: Any) -> dict[int, Any]:
+    """``target(rank, port, *args, results)`` in two spawned processes, the ranks of one world; what
+    each put on ``results`` (a (rank, value) pair), by rank. Both are ended on the way out."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=target, args=(r, port, *args, results)) for r in (0, 1)]
+    for proc in ranks:
+        proc.start()
+    try:
+        return dict(results.get(timeout=120) for _ in ranks)
+    finally:
+        for proc in ranks:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _rank(rank: int, port: int, diverge: bool, results: Any) -> None:
+    """One rank of an in-process region: rank 0 orders three steps (the second hands over a whole
+    new trainer state, the third a changed parameter), then the end; rank 1 follows."""
     from p2p_cocodc.errors import UserError
     from p2p_cocodc.peer.region import Region
     from p2p_cocodc.run.setup import TrainingSetup
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    cfg = build_config(
-        {}, {"model": "nano", "tokenizer": "byte", "seq_len": 32, "batch_size": 4, "device": "cpu"}
-    )
+    cfg = world_of_two(rank, port)
     region = Region(rank, 2, rank)
     try:
         with region.joined(cfg, {}):
@@ -186,19 +210,7 @@ def test_rank_0_hands_its_ranks_whole_states_and_merged_fragments_and_a_divergen
     """The orders' whole-state and changed-parameter paths, in one 2-rank gloo world: the follower
     ends with rank 0's replica; when rank 0 withholds the whole state, the follower's end-of-run
     check catches the divergence."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=_rank, args=(r, port, diverge, results)) for r in (0, 1)]
-    for proc in ranks:
-        proc.start()
-    try:
-        got = dict(results.get(timeout=120) for _ in ranks)
-    finally:
-        for proc in ranks:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    got = two_ranks(_rank, diverge)
     assert got[0] == "ok"
     if diverge:
         assert "the region's ranks diverged" in got[1], got
@@ -210,17 +222,11 @@ def _fsdp_rank(rank: int, port: int, results: Any) -> None:
     """One rank of an in-process fsdp region. Rank 0 orders steps, merges a fragment into its host
     replica, hands over a whole trainer state and gathers the region's, and checks each against a
     one-process trainer doing the same on the whole batch; rank 1 follows."""
-    import os
-
-    from p2p_cocodc.config.train import build_config
     from p2p_cocodc.errors import UserError
     from p2p_cocodc.peer.region import Region
     from p2p_cocodc.run.setup import TrainingSetup
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    cfg = build_config(
-        {}, {"model": "nano", "tokenizer": "byte", "seq_len": 32, "batch_size": 4, "device": "cpu"}
-    )
+    cfg = world_of_two(rank, port)
     import p2p_cocodc.peer.shards as shards
 
     shards.BUCKET = 3000  # fragments cross in several buckets, a larger tensor alone in its own
@@ -287,18 +293,6 @@ def test_an_fsdp_region_merges_hands_over_and_gathers_the_state_of_a_one_process
     on rank 0's host and scattered back, a whole trainer state handed to the shards (a resume), and
     the region's state gathered (a checkpoint): parameters and AdamW moments stay a one-process
     trainer's on the whole batch, to rounding (FSDP2 averages two half-batch gradients)."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=_fsdp_rank, args=(r, port, results)) for r in (0, 1)]
-    for proc in ranks:
-        proc.start()
-    try:
-        got = dict(results.get(timeout=120) for _ in ranks)
-    finally:
-        for proc in ranks:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    got = two_ranks(_fsdp_rank)
     assert got[1] == 0.0, got
     assert isinstance(got[0], float) and got[0] <= TOLERANCE, got
