@@ -5,15 +5,18 @@
 # DEADLINE seconds (default 400; a cut inner_loop row keeps the repeats it finished in its JSON):
 #   1. tests/test_devices.py: the CUDA tests, a bf16 region and an fp32 region of real peers among them
 #   2. benchmarks/llama_folder.py /tmp/llama317: the 317 M-parameter Llama's folder (no weights)
-#   3. benchmarks/inner_loop.py rows, bf16, 4 torch threads: cocodc 16×512 (96 steps, 3 repeats),
-#      cocodc 8×128 (240 steps, 3 repeats), streaming 16×512 (96, 2), diloco 16×512 (96, 2; H = 48),
-#      cocodc 16×512 with --compile inductor (96, 2; the compile is inside the timed steps)
+#   3. benchmarks/inner_loop.py rows, bf16, 4 torch threads, 3 repeats each: cocodc 16×512 (96 steps),
+#      streaming 16×512 (96), diloco 16×512 (96; H = 48), cocodc 8×128 (240 steps), then cocodc
+#      16×512 with --compile inductor (96, 2 repeats; the compile is inside the timed steps). Only the
+#      first row warms the device with an untimed plain run. ONLY="NAME NAME" runs only those rows;
+#      SKIP_TESTS=1 skips stage 1.
 #   4. with BASE_CODE=DIR set: the cocodc 16×512 row run with `--code DIR`, 2 repeats (before/after)
 # then a summary: each row's median ratio (peer ÷ plain tokens/s) and MFU, and pytest's result line.
 # Logs and JSON go to ${OUT:-gpu-check-out}.
 # Time on an H200 (2026-11-26): the CUDA tests 40 s; a 317 M row's repeat about 110 s (start-up of both
-# processes included), plus one untimed warm-up run per row. A 15-minute lease holds one call of at
-# most 10 minutes: DEADLINE=540 runs the tests, the cocodc 16×512 row and most of the 8×128 row.
+# processes included; the timed steps are 10-17 s of it). A 15-minute lease holds one call of at most
+# 10 minutes and, on the machine still warm, a shorter second one: DEADLINE=540 runs the tests, the
+# cocodc 16×512 row and part of the next; the second call goes on with ONLY=… SKIP_TESTS=1.
 #
 #   bash benchmarks/gpu_check.sh .whl                       # on the GPU machine, from the tree's root
 #   BASE_CODE=/path/to/old/tree ROWS=quick bash benchmarks/gpu_check.sh .whl   # quick: 1 repeat each
@@ -78,26 +81,34 @@ hivemind.__version__)" | tee -a "$OUT/gpu.log" || exit 4
 
 repeats() { if [ "${ROWS:-}" = quick ]; then echo 1; else echo "$1"; fi; }
 
-# row NAME CAP REPEATS ARGS...: one inner_loop row, its JSON to $OUT/NAME.json
+WARM=()  # the first row warms the device with one untimed plain run; the rows after it find it warm
+ROWS_RUN=()
+# row NAME CAP REPEATS ARGS...: one inner_loop row, its JSON to $OUT/NAME.json; with ONLY set (names
+# separated by spaces), only the rows it names run
 row() {
     local name=$1 cap=$2 n
     n=$(repeats "$3")
     shift 3
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+        return
+    fi
+    ROWS_RUN+=("$name")
     stage "$name" "$cap" "$PY" benchmarks/inner_loop.py "${DEV[@]}" --model "hf:$MODEL" --no-write \
-        --json "$OUT/$name.json" --repeats "$n" "$@"
+        --json "$OUT/$name.json" --repeats "$n" "${WARM[@]}" "$@"
+    WARM=(--no-warm-up)
 }
 
-stage pytest 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_devices.py -rs "${PYTEST[@]}"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    stage pytest 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_devices.py -rs "${PYTEST[@]}"
+fi
 stage llama-folder 90 "$PY" benchmarks/llama_folder.py "$MODEL" "${FOLDER[@]}"
-row cocodc-big 220 3 --algo cocodc "${BIG[@]}" "${STEPS[@]}"
-row cocodc-small 200 3 --algo cocodc "${SMALL[@]}" "${LONG[@]}"
-row streaming-big 160 2 --algo streaming "${BIG[@]}" "${STEPS[@]}"
-row diloco-big 160 2 --algo diloco "${BIG[@]}" "${STEPS[@]}"
-row cocodc-big-inductor 200 2 --algo cocodc "${BIG[@]}" "${STEPS[@]}" --compile inductor
-ROWS_RUN=(cocodc-big cocodc-small streaming-big diloco-big cocodc-big-inductor)
+row cocodc-big 400 3 --algo cocodc "${BIG[@]}" "${STEPS[@]}"
+row streaming-big 360 3 --algo streaming "${BIG[@]}" "${STEPS[@]}"
+row diloco-big 360 3 --algo diloco "${BIG[@]}" "${STEPS[@]}"
+row cocodc-small 400 3 --algo cocodc "${SMALL[@]}" "${LONG[@]}"
+row cocodc-big-inductor 300 2 --algo cocodc "${BIG[@]}" "${STEPS[@]}" --compile inductor
 if [ -n "${BASE_CODE:-}" ]; then
     row base-cocodc-big 160 2 --algo cocodc "${BIG[@]}" "${STEPS[@]}" --code "$BASE_CODE"
-    ROWS_RUN+=(base-cocodc-big)
 fi
 
 stamp "summary (big: ${BIG[*]}, small: ${SMALL[*]})"
@@ -126,5 +137,5 @@ print(
 )
 EOF
 done
-echo "pytest: $(grep -E '(passed|failed|error|skipped|tests? collected|no tests ran)' "$OUT/pytest.log" | tail -1)"
+[ -f "$OUT/pytest.log" ] && echo "pytest: $(grep -E '(passed|failed|error|skipped|tests? collected|no tests ran)' "$OUT/pytest.log" | tail -1)"
 stamp "done"

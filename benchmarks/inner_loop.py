@@ -395,7 +395,9 @@ def table(s: dict[str, Any]) -> str:
     waits = s["sync_boundary_ms_per_sync"] is not None
     header = ["repeat", "first", "peer tok/s", "plain tok/s", "ratio"]
     header += ["peer MFU", "plain MFU"] if mfu else []
-    header += ["syncs"] + (["sync wait ms/sync"] if waits else [])
+    header += ["syncs"] + (["sync wait ms/sync"] if waits else []) + ["stall s"]
+    ends = all("finish_s" in row["peer"] for row in s["rows"])  # older trees do not record it
+    header += ["end wait s"] if ends else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in s["rows"]:
         peer, plain = row["peer"], row["plain"]
@@ -407,6 +409,9 @@ def table(s: dict[str, Any]) -> str:
         if waits:
             wait = row["sync_boundary_ms_per_sync"]
             cells.append("–" if wait is None else f"{wait:.1f}")
+        cells.append(f"{peer['stall_s']:.2f}")
+        if ends:
+            cells.append(f"{peer['finish_s']:.2f}")
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -440,7 +445,9 @@ def report(s: dict[str, Any]) -> str:
 through the exchange and the outer step; {run})
 divided by a plain PyTorch loop of the same model, batch ({batch}), device, precision
 and optimizer ({s["optimizer"]}), each alone in its own process, one after the other, alternating which
-goes first. Device: **{where}**. Model `{o["model"]}` ({n / 1e6:.2f} M parameters), {o["precision"]}.{code}
+goes first. The peer's tokens/s counts its training up to its last step, its waits for sync results
+(stall) included; the end's wait for the syncs still in flight (end wait) is apart.
+Device: **{where}**. Model `{o["model"]}` ({n / 1e6:.2f} M parameters), {o["precision"]}.{code}
 
 Reproduce: `{s["command"]}`
 

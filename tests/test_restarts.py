@@ -133,10 +133,10 @@ def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_
     assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"], logs
     assert resumed["global_params_sha256"] == summaries[0]["global_params_sha256"], frozen_log[-3000:]
     assert all(s["kind"] == "summary" and s["steps"] == 600 for s in summaries)
+    # they waited for the frozen leader (until its record lapsed from their boards, or a round under
+    # way until it had been silent for answer_s) in at most two rounds, which failed; every other
+    # round of theirs was done (how long the waits took is the machine's: stall_s is wall-clock)
     assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 2, logs
-    # they waited for the frozen leader until its record lapsed from their boards (a lifetime, 8 s),
-    # and on a round under way until it had been silent for answer_s (16 s), for at most two rounds
-    assert all(s["stall_s"] < 2 * (8 + 16) for s in summaries), [s["stall_s"] for s in summaries]
 
 
 COMEBACK_STEPS = 768  # founders still train when the crashed peer is back (unloaded: ~220 steps later)

@@ -93,6 +93,8 @@ class SwarmReplica:
         self.eval_s = 0.0  # evaluation time, kept out of the training throughput
         self.steps_trained = 0  # inner steps this process trained (a joiner's run starts past step 0)
         self.train_started: float | None = None  # perf_counter when training began (after the wait)
+        self.trained_s: float | None = None  # training_s when the run ended (before the last syncs)
+        self.finish_s = 0.0  # how long the end waited for the syncs in flight and the last θ̄'s digests
         self.val_ppl = NONE_YET  # the latest evaluation of θ̄
         self.versions = [0] * max(1, len(self.strategy.fragments))
         self.shard_index: int | None = None
@@ -156,13 +158,17 @@ class SwarmReplica:
 
     def tokens_per_s(self) -> float:
         """Tokens this process trained per second since training began, evaluations left out (the
-        wait for peers comes before): what the summary reports and the record shows meanwhile."""
+        wait for peers comes before, the end's wait for the last syncs after): what the summary
+        reports and the record shows meanwhile."""
         if self.train_started is None:
             return 0.0
         return self.steps_trained * self.cfg.batch_size * self.cfg.seq_len / max(self.training_s(), 1e-9)
 
     def training_s(self) -> float:
-        """Seconds since training began, evaluations left out."""
+        """Seconds since training began until now or, once the run ends, until its last step was
+        done; evaluations left out."""
+        if self.trained_s is not None:
+            return self.trained_s
         assert self.train_started is not None
         return time.perf_counter() - self.train_started - self.eval_s
 
@@ -502,6 +508,13 @@ class SwarmReplica:
         """Let the syncs still running finish (the other peers need our slices); apply none of
         them, as the simulator's run ends with them unapplied. Stopped by a signal, the other peers
         are likely stopping too: wait only briefly."""
+        if self.train_started is not None:
+            self.trained_s = self.training_s()
+        started = time.perf_counter()
+        await self._finish_syncs(stopping)
+        self.finish_s = time.perf_counter() - started
+
+    async def _finish_syncs(self, stopping: bool) -> None:
         timeout = STOP_GRACE_S if stopping else self.round_timeout_s * 2
         if self.pending:
             await asyncio.wait(self.pending.values(), timeout=timeout)
@@ -550,6 +563,7 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         "sync_boundary_s": replica.boundary_s,
         "sync_boundary_share": replica.boundary_s / max(replica.training_s(), 1e-9),
         "wall_time_s": time.perf_counter() - replica.train_started,
+        "finish_s": replica.finish_s,
         "step_time_s": replica.step_time_s,
         "tokens_per_s": replica.tokens_per_s(),
         "peak_memory_bytes": peak_memory_bytes(replica.setup.placement.device),
