@@ -25,6 +25,8 @@ class R:
     fingerprint: str = "fp"
     key_id: str = "open"
     resume_step: int = -1
+    proposed_shape: tuple[int, ...] = ()
+    sync_shape: tuple[int, ...] = ()
 
 
 ME = "bbb"
@@ -585,3 +587,31 @@ def test_a_run_whose_peers_left_early_says_how_to_go_on() -> None:
 )
 def test_a_run_with_a_peer_still_in_it_or_only_a_stranger_done_is_not_ended(board: dict[str, R]) -> None:
     assert isinstance(decide({**board, ME: board.get(ME, W)}), Wait | Start | Join)
+
+
+# ---- τ and N: --overlap auto / --transmissions auto agreed ----
+
+
+def test_a_starting_set_takes_the_largest_overlap_and_the_fewest_sends_of_its_proposals() -> None:
+    """Each peer worked τ and N out from its own link and step time; the starting set takes the
+    largest τ and the fewest N, and every member computes the same from the same board whatever
+    its own proposal, even once some of them already publish the agreed shape."""
+    proposals = {"aaa": (3, 6), ME: (2, 8), "ccc": (4, 7)}
+    view = {p: R(proposed_shape=shape) for p, shape in proposals.items()}
+    live = tuple(sorted(view))
+    assert {lobby.starting_shape(view, live, own) for own in proposals.values()} == {(4, 6)}
+    # a peer of another starting set (here "ddd", not in live) is not asked
+    assert lobby.starting_shape({**view, "ddd": R(proposed_shape=(7, 1))}, live, (2, 8)) == (4, 6)
+    # once started, "aaa" also publishes what it trains with: its proposal still counts, unchanged
+    started = {**view, "aaa": t(proposed_shape=(3, 6), sync_shape=(4, 6))}
+    assert lobby.starting_shape(started, live, (2, 8)) == (4, 6)
+    # an older peer's record without a proposal: only the proposals there count
+    assert lobby.starting_shape({**view, "ccc": R()}, live, (2, 8)) == (3, 6)
+
+
+def test_a_joiner_takes_the_swarms_shape_not_its_own() -> None:
+    """Its donors train with the agreed (τ, N): the joiner takes it, whatever its own proposal;
+    none published (donors of an older version): None, and the joiner keeps its own."""
+    view = {"aaa": t(5, proposed_shape=(1, 8), sync_shape=(4, 6)), "ccc": t(5, sync_shape=(4, 6))}
+    assert lobby.swarm_shape(view, ["aaa", "ccc"]) == (4, 6)
+    assert lobby.swarm_shape({"aaa": t(5), "ccc": t(5)}, ["aaa", "ccc"]) is None

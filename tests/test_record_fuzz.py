@@ -24,6 +24,7 @@ from p2p_cocodc.swarm.records import (
     MAX_FRAGMENTS,
     MAX_LIFETIME_S,
     MAX_REGION,
+    MAX_SYNC_SHAPE,
     MAX_TALLY,
     NONE_YET,
     REGION_CHARS,
@@ -315,6 +316,8 @@ valid_field = {
     "val_ppl": st.just(NONE_YET) | st.floats(0, 1e308) | st.floats(-2, 0),
     "bytes_received": st.integers(0, 2**64 - 1),
     "last_round_s": st.just(NONE_YET) | st.floats(-2, 1e9),
+    "proposed_shape": st.just([]) | st.lists(st.integers(-1, 2**21), min_size=1, max_size=3),
+    "sync_shape": st.just([]) | st.lists(st.integers(-1, 2**21), min_size=2, max_size=2),
 }
 assert set(valid_field) == set(FIELDS)
 # every field valid, or hostile: most examples break one or two fields of an otherwise good record
@@ -357,6 +360,10 @@ def check_peer_record(record: PeerRecord | None) -> None:
         assert type(pair[1]) is str and len(pair[1]) <= 16
     assert type(r.versions) is list and len(r.versions) <= MAX_FRAGMENTS
     assert all(is_int(v) and v >= 0 for v in r.versions)
+    for shape in (r.proposed_shape, r.sync_shape):  # [τ, N], or none
+        assert type(shape) is list and (shape == [] or len(shape) == 2)
+        assert all(is_int(x) and x <= MAX_SYNC_SHAPE for x in shape)
+        assert shape == [] or (shape[0] >= 0 and shape[1] >= 1)
     for tally in (r.refused, r.outliers):
         assert type(tally) is dict and len(tally) <= MAX_TALLY
         assert all(type(k) is str and 0 < len(k) <= 64 and is_int(c) and c >= 0 for k, c in tally.items())

@@ -236,6 +236,52 @@ def test_peers_with_different_options_refuse_to_train_together(tmp_path: Path) -
     assert "--seed 1 there, 0 here" in logs[0] and "--seed 0 there, 1 here" in logs[1], logs
 
 
+def test_peers_that_work_auto_out_differently_train_together_with_the_swarms_overlap_and_sends(
+    tmp_path: Path,
+) -> None:
+    """--overlap auto --transmissions auto: each peer works τ and N out from its own link and step
+    time (here --step-time 0.02, 0.03 and 0.05 s on a 1 ms, 50 Mbit/s link: (3, 3), (2, 4) and
+    (2, 7)) and they used to refuse each other for it. They train together with the largest τ and
+    the fewest N, (3, 3), say so, and reach the simulator's θ̄ for those numbers."""
+    cut = TINY.index("--overlap")
+    fixed = [*TINY[:cut], *TINY[cut + 2 :]]  # TINY without its --overlap
+    auto = [
+        *fixed,
+        "--overlap",
+        "auto",
+        "--transmissions",
+        "auto",
+        "--latency-ms",
+        "1",
+        "--bandwidth-mbps",
+        "50",
+    ]
+    step_times = ["0.02", "0.03", "0.05"]
+    boot = start_bootstrap(tmp_path)
+    peers = []
+    try:
+        for i, step_time in enumerate(step_times):
+            args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *auto, "--step-time", step_time]
+            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "auto", "--pace", "fixed"]
+            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
+        agreed = ["--overlap", "3", "--transmissions", "3"]
+        sim = run_cli(["simulate", "--algo", "cocodc", *fixed, *agreed, "--out", "sim.jsonl"], tmp_path, 120)
+        assert sim.returncode == 0, sim.stderr
+        codes = [peer.wait(timeout=180) for peer in peers]
+    finally:
+        for proc in [*peers, boot.proc]:
+            end_group(proc)
+    logs = [(tmp_path / f"peer{i}.log").read_text() for i in range(3)]
+    assert codes == [0, 0, 0], [log[-3000:] for log in logs]
+    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
+    assert [(s["overlap"], s["transmissions"]) for s in summaries] == [(3, 3)] * 3
+    assert "syncs with --overlap 3 --transmissions 3 (this peer worked out" not in logs[0]
+    assert "the swarm syncs with --overlap 3 --transmissions 3 (this peer worked out 2 and 4)" in logs[1]
+    assert "the swarm syncs with --overlap 3 --transmissions 3 (this peer worked out 2 and 7)" in logs[2]
+    expected = records(tmp_path / "sim.jsonl")[-1]["global_params_sha256"]
+    assert {s["global_params_sha256"] for s in summaries} == {expected}
+
+
 def test_a_peer_whose_dht_dies_ends_with_a_clear_message(tmp_path: Path) -> None:
     with training_alone(tmp_path) as (peer, _):
         own = Path(f"/proc/{peer.pid}/cmdline").read_bytes()

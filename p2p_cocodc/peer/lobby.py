@@ -35,6 +35,12 @@ fetches; this module only decides (like torchft's lighthouse ``quorum_compute``)
 * **Ended.** When every other peer of the run on the board is done (a done record stays for the
   longest lifetime a record has, 2 minutes), the run ended before this peer came: it stops with one
   line (finished: a new --run-id; stopped early: --resume), unless it resumes the run itself.
+* **Sync shape.** τ (--overlap) and N (--transmissions) are the same on every peer. Where they are
+  'auto', each peer works them out from its own link and step time (a resuming one takes its
+  checkpoint's) and publishes that proposal, which never changes; the peers starting a run take the
+  largest τ and the fewest N of their proposals (the slowest transfer is hidden, the narrowest link
+  not overrun): the same numbers on every peer of the starting set, which then publish what they
+  train with. A peer taking the swarm's state takes its donors' shape, whatever it worked out.
 * **Donors.** A peer taking the swarm's state asks up to ``DONORS`` training peers of the run (not
   itself, none distrusted), highest step first, then by id. None, and one of the run is done: the run
   finished without it. A state at or past --steps leaves nothing to train.
@@ -71,6 +77,10 @@ class Record(Protocol):
     def key_id(self) -> str: ...
     @property
     def resume_step(self) -> int: ...  # -1: it does not resume
+    @property
+    def proposed_shape(self) -> list[int]: ...  # [τ, N] it worked out for itself (or its checkpoint's)
+    @property
+    def sync_shape(self) -> list[int]: ...  # [τ, N] it trains with ([] until it starts or joins)
 
 
 View = Mapping[str, Record]
@@ -412,6 +422,21 @@ def find_donors(view: View, seat: Seat, distrusted: Collection[str]) -> Donors |
             "swarm's state from"
         )
     return Wait("no peer to take the swarm's state from in")
+
+
+def starting_shape(view: View, live: Iterable[str], own: tuple[int, int]) -> tuple[int, int]:
+    """The (τ, N) a run starts with (the **Sync shape** rule): the largest τ and the fewest N among
+    this peer's proposal ``own`` and those the other peers of ``live`` (``Start.live``) publish."""
+    shapes = [own, *(tuple(view[p].proposed_shape) for p in live if p in view and view[p].proposed_shape)]
+    return max(s[0] for s in shapes), min(s[1] for s in shapes)
+
+
+def swarm_shape(view: View, donors: Iterable[str]) -> tuple[int, int] | None:
+    """The (τ, N) the run trains with, as ``donors`` (training peers) publish it; None where none does."""
+    shapes = [tuple(view[p].sync_shape) for p in donors if p in view and view[p].sync_shape]
+    if not shapes:
+        return None
+    return max(s[0] for s in shapes), min(s[1] for s in shapes)
 
 
 def check_steps_left(step: int, seat: Seat) -> None:

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from p2p_cocodc.algorithms.devices import resolve_device
 from p2p_cocodc.algorithms.strategies import AlgoSettings
 from p2p_cocodc.config.join import SwarmOptions
+from p2p_cocodc.config.schema import AUTO
 from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.models.hf import model_identity
@@ -93,8 +94,12 @@ def shared_options(setup: TrainingSetup, settings: AlgoSettings) -> dict[str, An
     screened and combined, M. Its fingerprint is what peers compare."""
     cfg = setup.cfg
     digest = hashlib.sha256(setup.tokens.train.numpy().tobytes()).hexdigest()[:16]
+    algo = asdict(settings)
+    for name in ("overlap", "transmissions"):  # 'auto' is agreed in the lobby, not compared
+        if getattr(cfg, name) == AUTO:
+            algo[name] = AUTO
     return {
-        "algo": asdict(settings),
+        "algo": algo,
         "inner": asdict(setup.inner),
         "model": model_identity(cfg.model, setup.base),  # an hf: model by content, not by path
         "data": digest,
@@ -161,9 +166,16 @@ class Peer:
             else None
         )
         self.resume = resume  # the newest checkpoint of --checkpoint-dir, with --resume
+        # τ and N as this peer worked them out (a resumed run: as its checkpoint's run agreed them),
+        # then as the swarm agreed them (the lobby's Sync shape rule)
+        self.proposed = (self.settings.overlap, self.settings.transmissions)
+        self.sync_shape: tuple[int, int] | None = None
         if resume is not None:  # it keeps its data shard
             resume.check_data(data)
             self.replica.shard_index = resume.restore(lambda state: int(state["shard"]))
+            saved = resume.restore(lambda state: state.get("sync_shape"))
+            if saved is not None:
+                self.proposed = (int(saved[0]), int(saved[1]))
 
     @property
     def name(self) -> str:
@@ -408,6 +420,8 @@ class Peer:
             val_ppl=replica.val_ppl,
             bytes_received=ex.stats.bytes_received if ex else 0,
             last_round_s=ex.stats.last_round_s if ex else NONE_YET,
+            proposed_shape=list(self.proposed),
+            sync_shape=list(self.sync_shape) if self.sync_shape is not None else [],
         )
 
     def _on_board(self, fresh: dict[str, PeerRecord]) -> None:
@@ -498,11 +512,26 @@ class Peer:
                 self.progress.waiting([self.name, *here], self.cfg.workers)
             if isinstance(decision, lobby.Start):
                 self.replica.shard_index = decision.shard
+                self._sync_with(lobby.starting_shape(self.presence.view, decision.live, self.proposed))
                 if decision.resume_step is not None:
                     self._resume_at(decision.resume_step)
                 return decision
             self._check_wait(stop, deadline, decision.reason)
             await asyncio.sleep(0.2)
+
+    def _sync_with(self, shape: tuple[int, int]) -> None:
+        """Train with τ, N = ``shape``, the run's (before the first step, or taking a state)."""
+        self.sync_shape = shape
+        if shape == (self.settings.overlap, self.settings.transmissions):
+            return
+        if shape != self.proposed:
+            log.warning(
+                "the swarm syncs with --overlap %d --transmissions %d (this peer worked out %d and %d)",
+                *shape,
+                *self.proposed,
+            )
+        self.settings = self.cfg.algo_settings(overlap=shape[0], transmissions=shape[1])
+        self.replica.sync_with(self.settings)
 
     def _resume_at(self, step: int) -> None:
         """A whole swarm restarted with --resume goes on from ``step``: this peer's checkpoint of it."""
@@ -578,6 +607,7 @@ class Peer:
             found = lobby.find_donors(presence.view, self._seat(), presence.distrusted)
             if isinstance(found, lobby.Donors):
                 donors = list(found.peers)
+                self._sync_with(lobby.swarm_shape(presence.view, donors) or self.proposed)
                 self.progress.joining([presence.name_of(d) for d in donors])
                 break
             self._check_wait(stop, deadline, found.reason, where)

@@ -186,6 +186,7 @@ class SwarmReplica:
             "versions": list(self.versions),
             "trainer": self.trainer.state_dict(),
             "strategy": self.strategy.state_dict(),
+            "sync_shape": [self.settings.overlap, self.settings.transmissions],  # the swarm's τ and N
             "records": list(self.records.kept),
             "rng": {"torch": torch.get_rng_state()},
         }
@@ -217,6 +218,12 @@ class SwarmReplica:
     def shared_state(self) -> dict[str, Any]:
         """A copy of what every live peer holds identically now, for a joiner (a step boundary)."""
         return {"strategy": copy.deepcopy(self.strategy.shared_state()), "versions": list(self.versions)}
+
+    def sync_with(self, settings: AlgoSettings) -> None:
+        """From now on ``settings`` (the swarm's τ and N): before the first step, a resume or a
+        take-over of the swarm's state, the strategy is built for them again."""
+        self.settings = settings
+        self.strategy = self.setup.strategy(self.trainer.model, settings, self.trainer.placement)
 
     def join_from(self, state: dict[str, Any], step: int) -> None:
         """Become the replica of a peer that takes the swarm's shared state at the end of ``step``:

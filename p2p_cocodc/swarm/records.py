@@ -38,6 +38,7 @@ GIVE_UP_S = 60.0  # with no publish landing for max(this, 4 lifetimes), the peer
 GIVE_UP_LIFETIMES = 4
 REGION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 MAX_REGION = 32
+MAX_SYNC_SHAPE = 1 << 20  # τ and N are below --inner-steps
 NONE_YET = -1.0  # val_ppl and last_round_s of a peer that has no evaluation, or no completed sync, yet
 
 
@@ -79,6 +80,8 @@ class PeerRecord:
     val_ppl: float = NONE_YET  # the latest evaluation of θ̄
     bytes_received: int = 0  # tensor bytes its exchange took in from members
     last_round_s: float = NONE_YET  # how long its latest completed sync took
+    proposed_shape: list[int] = field(default_factory=list)  # [τ, N] it worked out (or its checkpoint's)
+    sync_shape: list[int] = field(default_factory=list)  # [τ, N] it trains with ([] until it starts)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,6 +118,8 @@ class PeerRecord:
             and len(v["theta_sha"]) <= 16
             and _is_digests(v["theta_earlier"])
             and all(_is_int(x) and x >= 0 for x in v["versions"])
+            and _is_shape(v["proposed_shape"])
+            and _is_shape(v["sync_shape"])
         )
         return cls(**v) if ok else None
 
@@ -122,6 +127,13 @@ class PeerRecord:
 def is_region(x: Any) -> bool:
     """A peer's name as a record may carry it: a few letters, digits and '-_.' (or none)."""
     return isinstance(x, str) and len(x) <= MAX_REGION and set(x) <= REGION_CHARS
+
+
+def _is_shape(x: Any) -> bool:
+    """[τ, N], or none: [] (τ ≥ 0, N ≥ 1)."""
+    if not isinstance(x, list) or x == []:
+        return isinstance(x, list)
+    return len(x) == 2 and all(_is_int(i) and i <= MAX_SYNC_SHAPE for i in x) and x[0] >= 0 and x[1] >= 1
 
 
 def _is_int(x: Any) -> bool:
