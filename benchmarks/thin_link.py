@@ -1,10 +1,12 @@
 """Thin links: a real swarm (a bootstrap and three CoCoDC peers) over links shaped to a few Mbit/s.
 
 Needs root (Linux network namespaces; see tests/netns.py). Each run builds its own network: a switch
-namespace holding a bridge and the bootstrap (on the switch's address, 10.213.0.254), and one
-namespace per peer (10.213.0.1-3), each joined to the bridge by a veth pair shaped with tbf to
-``--mbps`` Mbit/s in each direction. Nothing runs on the host's interfaces; everything is removed
-at the end, and a run that passes ``--timeout`` has all its processes ended.
+namespace routing between the peers and holding the bootstrap (on the switch's address,
+10.213.0.254), and one namespace per peer (10.213.0.1-3), each linked to the switch by a pair of
+TUN devices shaped with tbf to ``--mbps`` Mbit/s in each direction and delayed by a relay so two
+peers see ``--rtt-ms`` of round trip (``--profile thin``: 2 Mbit/s, 100 ms). Nothing runs on the
+host's interfaces; everything is removed at the end, and a run that passes ``--timeout`` has all its
+processes ended.
 
 The peers train the ``small`` preset on bytes (3.24 M parameters, 13 MB in fp32, 4 fragments of
 about 3.2 MB: one fragment's all-reduce sends about 4.3 MB from each peer and receives as much).
@@ -20,6 +22,7 @@ own libp2p connections, so it tells the link's delay apart from delay inside the
     python benchmarks/thin_link.py --mbps 2 --steps 48 --timeout 300 --workdir runs/thin
     python benchmarks/thin_link.py --mbps 2 --repeat 5 --busy   # one θ̄ every time, a core kept busy
     python benchmarks/thin_link.py --mbps 2 --repeat 3 --busy --undeclared   # as a new user runs it
+    python benchmarks/thin_link.py --profile thin --overlap auto --transmissions auto --steps 96
 
 ``--busy`` keeps one core of the host busy beside the peers (as other work on a shared machine
 does), ``--repeat N`` runs each rate N times; the last line counts the runs that ended with one θ̄.
@@ -48,7 +51,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.netns import ThinNet, tcp_throughput, thin_network  # noqa: E402
+from tests.netns import PROFILES, ThinNet, tcp_throughput, thin_network  # noqa: E402
 from tests.swarm_procs import busy_core  # noqa: E402
 
 CLI = [sys.executable, "-m", "p2p_cocodc"]
@@ -105,13 +108,19 @@ finally:
 
 
 def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
-    """The peers' options; each declares its link (--bandwidth-mbps), which its deadlines follow,
-    unless ``--undeclared`` (the defaults, as a new user runs them: the link is measured)."""
-    declared = [] if args.undeclared else ["--bandwidth-mbps", str(mbps)]
+    """The peers' options; each declares its link (--bandwidth-mbps, --latency-ms: half the round
+    trip), which its deadlines and 'auto' follow, unless ``--undeclared`` (the defaults, as a new
+    user runs them: the link is measured)."""
+    declared = (
+        [] if args.undeclared else ["--bandwidth-mbps", str(mbps), "--latency-ms", str(args.rtt_ms / 2)]
+    )
+    syncs = ["--overlap", args.overlap] + (
+        ["--transmissions", args.transmissions] if args.transmissions else []
+    )
     return [
         "--algo", args.algo, "--model", "small", "--tokenizer", "byte", "--seq-len", "64",
         "--batch-size", "4", "--workers", str(PEERS), "--steps", str(args.steps),
-        "--inner-steps", "24", "--fragments", "4", "--overlap", "12", "--eval-every", "24",
+        "--inner-steps", "24", "--fragments", "4", *syncs, "--eval-every", "24",
         "--eval-batches", "2", "--threads", "1", "--codec", args.codec, "--quiet", *declared,
     ]  # fmt: skip
 
@@ -337,9 +346,14 @@ def notable(log: Path) -> list[str]:
 def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) -> dict[str, Any]:
     rundir = workdir / name
     rundir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"mbps": mbps, "steps": args.steps, "timeout_s": args.timeout}
+    result: dict[str, Any] = {
+        "mbps": mbps,
+        "rtt_ms": args.rtt_ms,
+        "steps": args.steps,
+        "timeout_s": args.timeout,
+    }
     result["code"] = code_version()
-    with thin_network(PEERS, mbps, latency_ms=args.queue_ms) as net:
+    with thin_network(PEERS, mbps, rtt_ms=args.rtt_ms, latency_ms=args.queue_ms) as net:
         a, b = net.nodes[0], net.nodes[1]
         measured, _ = tcp_throughput(net, a, b, int(mbps * 1e6 / 8 * 2))  # about 2 s of traffic
         result["link_measured_mbps"] = round(measured, 2)
@@ -464,6 +478,7 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"### {result['mbps']:g} Mbit/s (measured {result['link_measured_mbps']} Mbit/s), "
+        f"{result.get('rtt_ms', 0):g} ms round trip, "
         f"{result['steps']} steps, timed out: {result['timed_out']}, hashes equal: {result['hashes_equal']}; "
         f"code {result['code']['commit']}{' + changes' if result['code']['changed'] else ''}",
         "",
@@ -514,6 +529,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=480.0, help="seconds before a run's peers are ended")
     parser.add_argument("--algo", default="cocodc")
     parser.add_argument("--codec", default="fp32")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="round trip between two peers (the relay)")
+    parser.add_argument(
+        "--profile", choices=sorted(PROFILES), help="a named link: sets --mbps and --rtt-ms (tests/netns.py)"
+    )
+    parser.add_argument("--overlap", default="12", help="the peers' --overlap (a number, or auto)")
+    parser.add_argument("--transmissions", help="the peers' --transmissions (a number, or auto; default K)")
     parser.add_argument("--queue-ms", type=float, default=50.0, help="tbf latency: longest wait in a queue")
     parser.add_argument("--tail", type=int, default=8, help="last log lines to report per peer")
     parser.add_argument("--no-verbose", dest="verbose", action="store_false", help="join without --verbose")
@@ -527,6 +548,9 @@ def main() -> None:
         help="also time DHT calls from a bystander node in peer 0's namespace (own connections, same link)",
     )
     args = parser.parse_args()
+    if args.profile:
+        args.rtt_ms = PROFILES[args.profile].rtt_ms
+        args.mbps = [PROFILES[args.profile].mbit]
     rates = args.mbps or [10.0, 2.0]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="thin-link-"))
     workdir.mkdir(parents=True, exist_ok=True)

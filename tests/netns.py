@@ -1,31 +1,41 @@
-"""A thin-link network of our own: Linux network namespaces joined by a bridge, each link shaped by tbf.
+"""An emulated WAN of our own: Linux network namespaces routed through one switch namespace, every
+link shaped by tbf and delayed by a userspace relay.
 
-``thin_network(n, mbit)`` builds, for one test or benchmark run:
+``thin_network(n, mbit, rtt_ms=…)`` (or ``wan_network(n, PROFILE)``) builds, for one test or
+benchmark run:
 
-- one *switch* namespace holding a Linux bridge (with an address of its own, ``switch_address``, so a
-  server such as the swarm's bootstrap can sit on the switch with an unshaped path to the bridge);
-- ``n`` *node* namespaces, each with lo up and one veth (``eth0``-like, named with the run's suffix)
-  whose other end is a port of the bridge, and an address in a private /24;
-- egress shaping with tbf on both ends of every veth: the node's end limits what it sends (upload),
-  the switch's end what it receives (download), ``mbit`` Mbit/s each way.
+- one *switch* namespace that routes between the nodes (with an address of its own,
+  ``switch_address``, so a server such as the swarm's bootstrap can sit on the switch);
+- ``n`` *node* namespaces, each with lo up and one link to the switch, and an address in a private
+  /24;
+- each link is a pair of TUN devices, one in the node (its route to the /24) and one in the switch
+  (its route to that node), joined by the delay relay (``tests/delay_relay.py``: one process for
+  every link), which holds each packet for a quarter of ``rtt_ms`` before it writes it into the
+  other TUN: node → switch → node and back is four crossings, so two nodes see ``rtt_ms`` between
+  them (a node and the switch, half of it);
+- egress shaping with tbf on both TUNs of every link: the node's limits what it sends (upload),
+  the switch's what it receives (download), ``mbit`` Mbit/s each way. A link's MTU is 1500 bytes up
+  to 24 Mbit/s, and grows with the rate above (a packet takes at most 0.5 ms to send) so the relay
+  keeps up with a 1 Gbit/s link.
 
-Everything is created inside namespaces this module made (``ip -n NS link add ... peer ... netns
-OTHER``), so the host's own interfaces, addresses and routes are never touched; every name carries a
-random suffix, so parallel runs never collide. On exit, whatever happens in the body, the processes
-still running inside those namespaces (only ever started there by the caller) are killed and the
-namespaces deleted, which deletes their veths and the bridge with them.
+Everything is created inside namespaces this module made, so the host's own interfaces, addresses
+and routes are never touched; every name carries a random suffix, so parallel runs never collide.
+On exit, whatever happens in the body, the relay and the processes still running inside those
+namespaces (only ever started there by the caller) are killed and the namespaces deleted, which
+deletes their TUNs with them.
 
 Processes run inside a namespace through ``ip netns exec NAME``: ``net.prefix(node)`` is that argv
 prefix, ``net.popen_in`` / ``net.run_in`` wrap ``subprocess``.
 
-The kernel here has no netem, so there is no added delay: only a rate limit and its queue (tbf's
-``latency``, the longest a packet may wait in the queue before tbf drops it).
+The kernel here has no netem, hence the relay for delay; tbf's ``latency`` is the longest a packet
+may wait in its queue before tbf drops it.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import selectors
 import shutil
 import signal
 import subprocess
@@ -34,10 +44,29 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 PREFIX = "tl"  # every namespace and interface this module makes starts with it, then the run's suffix
-MTU_FRAME = 1514
+MTU = 1500  # a link's MTU up to 24 Mbit/s; above, what the link sends in 0.5 ms
+RELAY = Path(__file__).with_name("delay_relay.py")
+RELAY_READY_S = 20.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named WAN link: the round-trip time between two nodes and each link's rate (each way)."""
+
+    rtt_ms: float
+    mbit: float
+
+
+PROFILES = {
+    "region": Profile(20.0, 1000.0),
+    "continent": Profile(100.0, 100.0),
+    "planet": Profile(250.0, 20.0),
+    "thin": Profile(100.0, 2.0),
+}
 
 
 class NetnsUnavailable(RuntimeError):
@@ -58,10 +87,9 @@ def _tc(ns: str, *args: str) -> None:
 
 
 def netns_unavailable_reason() -> str | None:
-    """Why namespaces with veths, a bridge and tbf cannot be made here, or None when they can.
+    """Why namespaces with TUN devices shaped by tbf cannot be made here, or None when they can.
 
-    Checked by doing it once: a throwaway namespace with a veth pair, a bridge and a tbf qdisc, then
-    removed."""
+    Checked by doing it once: a throwaway namespace with a TUN device and a tbf qdisc, then removed."""
     if not sys.platform.startswith("linux"):
         return f"network namespaces are Linux only (this is {sys.platform})"
     if os.geteuid() != 0:
@@ -75,10 +103,8 @@ def netns_unavailable_reason() -> str | None:
         return f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
     try:
         steps = [
-            ["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
-            ["ip", "-n", probe, "link", "add", "pbr", "type", "bridge"],
-            ["ip", "-n", probe, "link", "set", "pa", "master", "pbr"],
-            ["tc", "-n", probe, "qdisc", "add", "dev", "pb", "root", "tbf"]
+            ["ip", "-n", probe, "tuntap", "add", "dev", "pt", "mode", "tun"],
+            ["tc", "-n", probe, "qdisc", "add", "dev", "pt", "root", "tbf"]
             + ["rate", "8mbit", "burst", "16kb", "latency", "50ms"],
         ]
         for argv in steps:
@@ -104,8 +130,8 @@ class Node:
 class ThinNet:
     suffix: str
     mbit: float
+    rtt_ms: float
     switch: str  # the switch namespace
-    bridge: str
     switch_address: str | None
     nodes: list[Node] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)  # every namespace made, in order
@@ -132,12 +158,43 @@ class ThinNet:
         return subprocess.run([*self.prefix(where), *argv], **kwargs)
 
 
+def link_mtu(mbit: float) -> int:
+    """1500 bytes, or what ``mbit`` Mbit/s sends in 0.5 ms where that is more (at most 65000)."""
+    return min(65000, max(MTU, int(mbit * 1e6 / 8 * 0.0005)))
+
+
 def _shape(ns: str, iface: str, mbit: float, latency_ms: float) -> None:
-    """tbf on ``iface``'s egress: ``mbit`` Mbit/s, a burst of a few ms (at least a few frames, which
-    GSO packets larger than it are segmented to), packets dropped after ``latency_ms`` in the queue."""
+    """tbf on ``iface``'s egress: ``mbit`` Mbit/s, a burst of a few ms (at least a few packets),
+    packets dropped after ``latency_ms`` in the queue."""
     rate_bytes = mbit * 1e6 / 8
-    burst = max(int(rate_bytes * 0.004), 4 * MTU_FRAME)
+    burst = max(int(rate_bytes * 0.004), 4 * (link_mtu(mbit) + 14))
     _tc(ns, *f"qdisc add dev {iface} root tbf rate {mbit}mbit burst {burst} latency {latency_ms}ms".split())
+
+
+def _tun(ns: str, name: str, mtu: int) -> None:
+    _ip("-n", ns, "tuntap", "add", "dev", name, "mode", "tun")
+    _ip("-n", ns, "link", "set", name, "mtu", str(mtu), "up")
+
+
+def _start_relay(net: ThinNet, links: list[str]) -> None:
+    """The delay relay for every link, once it has attached to all their TUNs."""
+    proc = subprocess.Popen(
+        [sys.executable, str(RELAY), str(net.rtt_ms / 4 / 1000), *links],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    net.started.append(proc)
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as waiting:  # its first line, within a deadline
+        waiting.register(proc.stdout, selectors.EVENT_READ)
+        line = proc.stdout.readline() if waiting.select(RELAY_READY_S) else ""
+    if line.strip() != "ready":
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        why = err.strip()[-1000:]
+        raise RuntimeError(f"the delay relay did not start within {RELAY_READY_S:.0f} s: {why}")
 
 
 def pids_in(ns: str) -> list[int]:
@@ -173,17 +230,21 @@ def thin_network(
     n: int,
     mbit: float,
     *,
+    rtt_ms: float = 0.0,
     subnet: str = "10.213.0",
     latency_ms: float = 50.0,
     switch_address: bool = True,
 ) -> Iterator[ThinNet]:
-    """``n`` namespaces on a bridge, every link shaped to ``mbit`` Mbit/s each way (see the module
-    docstring). Node ``i`` has ``{subnet}.{i + 1}/24``, the switch ``{subnet}.254``. Raises
-    NetnsUnavailable, before making anything, when this machine cannot do it."""
+    """``n`` namespaces routed through a switch, every link shaped to ``mbit`` Mbit/s each way and
+    delayed so that two nodes see ``rtt_ms`` of round trip (see the module docstring). Node ``i``
+    has ``{subnet}.{i + 1}``, the switch ``{subnet}.254``. Raises NetnsUnavailable, before making
+    anything, when this machine cannot do it."""
     if not 1 <= n <= 200:
         raise ValueError(f"n must be in [1, 200], got {n}")
     if mbit <= 0:
         raise ValueError(f"mbit must be positive, got {mbit}")
+    if not 0 <= rtt_ms <= 10_000:
+        raise ValueError(f"rtt_ms must be in [0, 10000], got {rtt_ms}")
     reason = netns_unavailable_reason()
     if reason is not None:
         raise NetnsUnavailable(reason)
@@ -192,37 +253,38 @@ def thin_network(
     net = ThinNet(
         suffix=suffix,
         mbit=mbit,
+        rtt_ms=rtt_ms,
         switch=f"{base}sw",
-        bridge=f"{base}br",
         switch_address=f"{subnet}.254" if switch_address else None,
     )
+    mtu = link_mtu(mbit)
     try:
         _ip("netns", "add", net.switch)
         net.namespaces.append(net.switch)
         _ip("-n", net.switch, "link", "set", "lo", "up")
-        _ip("-n", net.switch, "link", "add", net.bridge, "type", "bridge", "forward_delay", "0")
-        net.interfaces.append(net.bridge)
-        _ip("-n", net.switch, "link", "set", net.bridge, "up")
         if net.switch_address:
-            _ip("-n", net.switch, "addr", "add", f"{net.switch_address}/24", "dev", net.bridge)
+            _ip("-n", net.switch, "addr", "add", f"{net.switch_address}/32", "dev", "lo")
+        forwarding = [*net.prefix(net.switch), "sysctl", "-qw", "net.ipv4.ip_forward=1"]
+        done = subprocess.run(forwarding, capture_output=True, text=True)  # the switch routes between links
+        if done.returncode != 0:
+            raise RuntimeError(f"sysctl net.ipv4.ip_forward=1 in {net.switch}: {done.stderr.strip()}")
+        links = []
         for i in range(n):
             node = Node(i, f"{base}n{i}", f"{base}e{i}", f"{subnet}.{i + 1}")
             port = f"{base}s{i}"
             _ip("netns", "add", node.ns)
             net.namespaces.append(node.ns)
             _ip("-n", node.ns, "link", "set", "lo", "up")
-            # both ends born inside our namespaces: nothing ever appears in the host's
-            _ip(
-                "-n", net.switch, *f"link add {port} type veth peer name {node.iface} netns {node.ns}".split()
-            )
+            _tun(node.ns, node.iface, mtu)
+            _tun(net.switch, port, mtu)
             net.interfaces += [port, node.iface]
-            _ip("-n", net.switch, "link", "set", port, "master", net.bridge)
-            _ip("-n", net.switch, "link", "set", port, "up")
             _ip("-n", node.ns, "addr", "add", f"{node.address}/24", "dev", node.iface)
-            _ip("-n", node.ns, "link", "set", node.iface, "up")
+            _ip("-n", net.switch, "route", "add", f"{node.address}/32", "dev", port)
             _shape(node.ns, node.iface, mbit, latency_ms)  # what the node sends
             _shape(net.switch, port, mbit, latency_ms)  # what the node receives
+            links += [node.ns, node.iface, net.switch, port]
             net.nodes.append(node)
+        _start_relay(net, links)
         yield net
     finally:
         for proc in net.started:  # ours, by pid: ended whether or not it is inside yet
@@ -239,6 +301,14 @@ def thin_network(
                 failures.append(f"{ns}: {done.stderr.strip()}")
         if failures and sys.exc_info()[0] is None:
             raise RuntimeError(f"could not remove namespaces: {'; '.join(failures)}")
+
+
+def wan_network(n: int, profile: str, **options: Any) -> Any:
+    """``thin_network`` over the links of a named profile (``PROFILES``)."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}: use one of {', '.join(PROFILES)}")
+    link = PROFILES[profile]
+    return thin_network(n, link.mbit, rtt_ms=link.rtt_ms, **options)
 
 
 # A one-shot TCP sink and source for checking a link's rate (run with ``python -c``).

@@ -71,6 +71,8 @@ PEER_FIELDS = (
     "val_ppl",
     "bytes_received",
     "last_round_s",
+    "proposed_shape",
+    "sync_shape",
 )
 
 

@@ -20,7 +20,6 @@ import logging
 import math
 import signal
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
@@ -34,19 +33,19 @@ from p2p_cocodc.config.schema import AUTO
 from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import Stopped, UserError
 from p2p_cocodc.models.hf import model_identity
-from p2p_cocodc.ops.monitoring import PeerMetrics, PeerSample
+from p2p_cocodc.ops.monitoring import PeerMetrics
 from p2p_cocodc.ops.progress import Phases, Progress
 from p2p_cocodc.peer import lobby
 from p2p_cocodc.peer.presence import Presence
 from p2p_cocodc.peer.region import Region
-from p2p_cocodc.peer.syncs import SwarmReplica
+from p2p_cocodc.peer.syncs import SwarmReplica, board_fields, metrics_sample
 from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter, committed, read_checkpoint
 from p2p_cocodc.run.loop import ReplicaLoop
 from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.setup import TrainingSetup
 from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange
-from p2p_cocodc.swarm.records import NONE_YET, Board, PeerRecord, peers_key
+from p2p_cocodc.swarm.records import Board, PeerRecord, peers_key
 from p2p_cocodc.swarm.run_options import fingerprint, option_view
 from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
 from p2p_cocodc.swarm.trust import Membership, check_identity
@@ -394,34 +393,16 @@ class Peer:
     # ---- the board: what this peer publishes, what it reads ----
 
     def _record(self) -> PeerRecord:
-        ex, replica, presence = self.exchange, self.replica, self.presence
-        theta_step, theta_sha = presence.agreement.latest() if presence is not None else (-1, "")
         return PeerRecord(
             state=self.lifecycle.value,
-            step=replica.step,
-            shard=replica.shard_index,
             num_shards=self.cfg.data_shards,
-            step_time_s=replica.step_time_s,
-            bandwidth_mbps=ex.stats.bandwidth_mbps if ex else 0.0,
             fingerprint=self.fingerprint,
-            versions=list(replica.versions),
-            stall_s=replica.stall_s,
-            bytes_sent=ex.stats.bytes_sent if ex else 0,
-            joined_at=replica.joined_at,
             resume_step=self.resume.step if self.resume is not None else -1,
             key_id=self.membership.key_id,
-            refused=replica.refused(),
-            outliers=dict(ex.outliers.most_common(4)) if ex else {},
-            theta_step=theta_step,
-            theta_sha=theta_sha,
-            theta_earlier=presence.agreement.earlier() if presence is not None else [],
             region=self.name,
-            tokens_per_s=replica.tokens_per_s(),
-            val_ppl=replica.val_ppl,
-            bytes_received=ex.stats.bytes_received if ex else 0,
-            last_round_s=ex.stats.last_round_s if ex else NONE_YET,
             proposed_shape=list(self.proposed),
             sync_shape=list(self.sync_shape) if self.sync_shape is not None else [],
+            **board_fields(self.replica),
         )
 
     def _on_board(self, fresh: dict[str, PeerRecord]) -> None:
@@ -438,28 +419,8 @@ class Peer:
     def _sample(self) -> None:
         """Hand this peer's numbers to its metrics (``ops/monitoring.py``): after every step and
         record, and every heartbeat. A scrape reads only this sample, never the live counters."""
-        ex, cfg, replica = self.exchange, self.cfg, self.replica
-        servers = [s for s in (ex, self.state_server) if s is not None]
         view = self.presence.view if self.presence is not None else {}
-        self.metrics.sample = PeerSample(
-            state=self.lifecycle.value,
-            step=replica.step,
-            inner_steps=replica.steps_trained,
-            tokens=replica.steps_trained * cfg.batch_size * cfg.seq_len,
-            step_seconds=replica.step_time_s,
-            tokens_per_second=replica.tokens_per_s(),
-            stall_seconds=replica.stall_s,
-            sent_bytes=ex.stats.bytes_sent if ex else 0,
-            resent_bytes=ex.stats.bytes_resent if ex else 0,
-            served_bytes=ex.stats.bytes_served if ex else 0,
-            received_bytes=ex.stats.bytes_received if ex else 0,
-            rounds_completed=ex.stats.rounds_done if ex else 0,
-            rounds_failed=ex.stats.rounds_failed if ex else 0,
-            resyncs=replica.resyncs,
-            refused=sum(sum(s.limiter.refused.values()) for s in servers),
-            outliers=sum(ex.outliers.values()) if ex else 0,
-            board=dict(Counter(r.state for r in view.values())),
-        )
+        self.metrics.sample = metrics_sample(self.replica, self.lifecycle.value, view)
 
     def _record_join(self, peer: str, joined_at: int, shard: int | None = None) -> None:
         """One record in --out per peer (and per time it took the state) this peer learns of: the

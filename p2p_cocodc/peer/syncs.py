@@ -36,7 +36,7 @@ from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, PreparedResult
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.models.data import Shard
-from p2p_cocodc.ops.monitoring import PeerMetrics
+from p2p_cocodc.ops.monitoring import PeerMetrics, PeerSample
 from p2p_cocodc.peer.presence import Presence
 from p2p_cocodc.peer.region import Region
 from p2p_cocodc.run.loop import Rejoin, SyncsFailing
@@ -598,3 +598,54 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         "failure": failure,
         "stopped_by": replica.stopped_by,
     }
+
+
+def board_fields(replica: SwarmReplica) -> dict[str, Any]:
+    """What a peer's board record says of its replica: progress, traffic, whom it refused or left
+    out, its θ̄ digests (``swarm/records.py``'s PeerRecord; the peer adds who it is)."""
+    ex, presence = replica.exchange, replica.presence
+    theta_step, theta_sha = presence.agreement.latest() if presence is not None else (-1, "")
+    return {
+        "step": replica.step,
+        "shard": replica.shard_index,
+        "step_time_s": replica.step_time_s,
+        "bandwidth_mbps": ex.stats.bandwidth_mbps if ex else 0.0,
+        "versions": list(replica.versions),
+        "stall_s": replica.stall_s,
+        "bytes_sent": ex.stats.bytes_sent if ex else 0,
+        "joined_at": replica.joined_at,
+        "refused": replica.refused(),
+        "outliers": dict(ex.outliers.most_common(4)) if ex else {},
+        "theta_step": theta_step,
+        "theta_sha": theta_sha,
+        "theta_earlier": presence.agreement.earlier() if presence is not None else [],
+        "tokens_per_s": replica.tokens_per_s(),
+        "val_ppl": replica.val_ppl,
+        "bytes_received": ex.stats.bytes_received if ex else 0,
+        "last_round_s": ex.stats.last_round_s if ex else NONE_YET,
+    }
+
+
+def metrics_sample(replica: SwarmReplica, state: str, board: dict[str, Any]) -> PeerSample:
+    """A peer's numbers for its metrics (``ops/monitoring.py``), ``board`` the records it reads."""
+    ex, cfg = replica.exchange, replica.cfg
+    servers = [s for s in (ex, replica.state_server) if s is not None]
+    return PeerSample(
+        state=state,
+        step=replica.step,
+        inner_steps=replica.steps_trained,
+        tokens=replica.steps_trained * cfg.batch_size * cfg.seq_len,
+        step_seconds=replica.step_time_s,
+        tokens_per_second=replica.tokens_per_s(),
+        stall_seconds=replica.stall_s,
+        sent_bytes=ex.stats.bytes_sent if ex else 0,
+        resent_bytes=ex.stats.bytes_resent if ex else 0,
+        served_bytes=ex.stats.bytes_served if ex else 0,
+        received_bytes=ex.stats.bytes_received if ex else 0,
+        rounds_completed=ex.stats.rounds_done if ex else 0,
+        rounds_failed=ex.stats.rounds_failed if ex else 0,
+        resyncs=replica.resyncs,
+        refused=sum(sum(s.limiter.refused.values()) for s in servers),
+        outliers=sum(ex.outliers.values()) if ex else 0,
+        board=dict(Counter(r.state for r in board.values())),
+    )
