@@ -80,6 +80,14 @@ class SwarmOptions:
         "on its host for the syncs)",
         ("ddp", "fsdp"),
     )
+    # a slower region emulated: each inner step takes at least this long (the rest slept)
+    min_step_s: float = opt(
+        0.0,
+        "each inner step takes at least this many seconds, the rest slept: a slower region "
+        "emulated for tests and benchmarks (uneven regions); 0: as fast as it trains",
+        shown="0",
+        flag="min-step-time",
+    )
     # the name operators see (bars, status, metrics); None: the peer id
     region: str | None = opt(
         None,
@@ -111,6 +119,8 @@ class SwarmOptions:
             raise UserError(f"--shard {self.shard[0]}/{self.shard[1]}: need 0 ≤ I < N")
         if self.port and self.port == self.metrics_port:
             raise UserError(f"--port and --metrics-port are both {self.port}: they must differ")
+        if not 0 <= self.min_step_s <= 3600:
+            raise UserError(f"--min-step-time {self.min_step_s}: use 0 to 3600 seconds")
         for name in ("wait_peers_s", "round_timeout_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"--{name.replace('_s', '').replace('_', '-')} must be > 0 seconds")

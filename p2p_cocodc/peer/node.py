@@ -148,6 +148,7 @@ class Peer:
         self.replica = SwarmReplica(
             self.setup, self.settings, region, self.metrics, opts.pace, opts.round_timeout_s, step_time
         )
+        self.replica.min_step_s = opts.min_step_s
         self.lifecycle = Lifecycle.WAITING
         self.peer_id = ""  # known once its DHT is up (``run``)
         self.progress: Phases = Progress("", cfg.steps, 0, None)  # quiet, unless ``run`` is given one

@@ -87,6 +87,7 @@ class SwarmReplica:
         self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
         self.step = 0
         self.step_time_s = step_time_s or 0.0
+        self.min_step_s = 0.0  # --min-step-time: a slower region emulated
         self.step_timer = StepTimer(setup.placement.device)
         self.stall_s = 0.0
         self.boundary_s = 0.0  # time between steps spent on sync work (snapshot, send, merge), waits left out
@@ -146,15 +147,6 @@ class SwarmReplica:
     @property
     def bytes_sent(self) -> int:
         return self.exchange.stats.bytes_sent if self.exchange is not None else 0
-
-    def refused(self, count: int = 4) -> dict[str, int]:
-        """The peers this peer refused most (non-members, limits exceeded), by its exchange and its
-        state server: what its record and summary name."""
-        tally: Counter[str] = Counter()
-        for server in (self.exchange, self.state_server):
-            if server is not None:
-                tally += server.limiter.refused
-        return dict(tally.most_common(count))
 
     def tokens_per_s(self) -> float:
         """Tokens this process trained per second since training began, evaluations left out (the
@@ -287,7 +279,10 @@ class SwarmReplica:
         self.step_timer.step_starts()
         started = time.perf_counter()
         loss = await self._inner_step(step, *self.data.batch(step - 1))
+        if self.min_step_s:  # a slower region: its step time (its pace, its 'auto') includes the wait
+            await asyncio.sleep(self.min_step_s - (time.perf_counter() - started))
         elapsed = self.step_timer.step_done(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started if self.min_step_s else elapsed
         if elapsed is not None:
             first = step == 1 or self.step_time_s == 0.0
             self.step_time_s = elapsed if first else 0.9 * self.step_time_s + 0.1 * elapsed
@@ -586,7 +581,7 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         "state_copy_s": replica.state_server.copy_s if replica.state_server else 0.0,
         "send_spacing": replica.strategy.send_spacing(),
         "key_id": replica.exchange.key_id,
-        "refused": replica.refused(count=16),
+        "refused": refused_most(replica, 16),
         "outliers": dict(replica.exchange.outliers.most_common(16)),
         "accused": dict(replica.exchange.accused.most_common(16)),
         "theta_disputed": dict(presence.disputed),
@@ -598,6 +593,16 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         "failure": failure,
         "stopped_by": replica.stopped_by,
     }
+
+
+def refused_most(replica: SwarmReplica, count: int = 4) -> dict[str, int]:
+    """The peers this peer refused most (non-members, limits exceeded), by its exchange and its
+    state server: what its record and summary name."""
+    tally: Counter[str] = Counter()
+    for server in (replica.exchange, replica.state_server):
+        if server is not None:
+            tally += server.limiter.refused
+    return dict(tally.most_common(count))
 
 
 def board_fields(replica: SwarmReplica) -> dict[str, Any]:
@@ -614,7 +619,7 @@ def board_fields(replica: SwarmReplica) -> dict[str, Any]:
         "stall_s": replica.stall_s,
         "bytes_sent": ex.stats.bytes_sent if ex else 0,
         "joined_at": replica.joined_at,
-        "refused": replica.refused(),
+        "refused": refused_most(replica),
         "outliers": dict(ex.outliers.most_common(4)) if ex else {},
         "theta_step": theta_step,
         "theta_sha": theta_sha,
