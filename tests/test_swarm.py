@@ -74,6 +74,7 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str) -> None:
     assert all(0 < s["sync_boundary_share"] < 1 for s in summaries)
     # the end's wait for the last syncs is apart from the training time that tokens/s counts
     assert all(0 < s["finish_s"] < s["wall_time_s"] for s in summaries)
+    assert all(0 < s["mean_round_s"] < s["wall_time_s"] for s in summaries)  # arrival to average
     assert len({s["global_params_sha256"] for s in summaries}) == 1
     assert all(s["final_val_ppl"] < s["initial_val_ppl"] * 0.8 for s in summaries)
     # the simulator models the butterfly as 2(M−1)/M of the payload; real slices differ by rounding

@@ -571,6 +571,8 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         "peak_memory_bytes": peak_memory_bytes(replica.setup.placement.device),
         **(replica.region.summary_fields() if replica.region is not None else {}),
         "rounds_done": stats.rounds_done,
+        # from this peer's arrival at a round to its average: the others' arrival included
+        "mean_round_s": stats.rounds_s / stats.rounds_done if stats.rounds_done else None,
         "rounds_failed": stats.rounds_failed,
         "bytes_resent": stats.bytes_resent,
         "bytes_served": stats.bytes_served,

@@ -129,6 +129,7 @@ class ExchangeStats:
     messages_rejected: int = 0  # of those, malformed ones (logged and dropped)
     bandwidth_mbps: float = 0.0  # moving average of measured send throughput
     last_round_s: float = NONE_YET  # how long the latest completed all-reduce took here
+    rounds_s: float = 0.0  # how long the completed all-reduces took here, summed
 
     def record_send(self, num_bytes: int, seconds: float) -> None:
         """A message of ``num_bytes`` tensor bytes has been written in ``seconds``."""
@@ -306,6 +307,7 @@ class FragmentExchange:
             self.cosines.add([p for p, _ in result.cosines], [c for _, c in result.cosines])
             self.stats.rounds_done += 1
             self.stats.last_round_s = time.monotonic() - started
+            self.stats.rounds_s += self.stats.last_round_s
             if result.screened_out:
                 self.outliers.update(result.screened_out)
                 log.warning(
