@@ -410,3 +410,16 @@ def test_cli_checks_output_paths_before_set_up(tmp_path: Path) -> None:
         ["join", *CLI_RUN, "--bootstrap", "127.0.0.1:9", "--checkpoint-dir", "ck", "--resume"], tmp_path, 60
     )
     assert_one_error_line(join_ck, "--resume", "holds no checkpoint")
+
+
+def test_a_checkpoint_gives_the_tau_and_n_its_run_agreed_or_is_refused() -> None:
+    """A resumed peer proposes its checkpoint's τ and N (an 'auto' run's agreed ones); an older
+    checkpoint without them leaves its own; anything else is the checkpoint's fault (Checkpoint.restore
+    turns these errors into one line naming the file)."""
+    from p2p_cocodc.peer.node import saved_shape
+
+    assert saved_shape({}, (2, 4)) == (2, 4)
+    assert saved_shape({"sync_shape": [3, 3]}, (2, 4)) == (3, 3)
+    for bad in ([1], ["a", 2], [-1, 2], [2, 0], [1, 2, 3]):
+        with pytest.raises((ValueError, TypeError)):
+            saved_shape({"sync_shape": bad}, (2, 4))

@@ -113,6 +113,17 @@ def shared_options(setup: TrainingSetup, settings: AlgoSettings) -> dict[str, An
     }
 
 
+def saved_shape(state: dict[str, Any], otherwise: tuple[int, int]) -> tuple[int, int]:
+    """The τ and N a checkpoint's run synced with (``otherwise`` for a checkpoint older than that
+    record); ValueError if it holds something else."""
+    if "sync_shape" not in state:
+        return otherwise
+    tau, n = (int(x) for x in state["sync_shape"])
+    if tau < 0 or n < 1:
+        raise ValueError(f"its sync_shape {[tau, n]} is no τ and N")
+    return tau, n
+
+
 class Peer:
     """One region of a run; ``run`` trains, writes records like ``simulate``, returns the summary."""
 
@@ -173,9 +184,7 @@ class Peer:
         if resume is not None:  # it keeps its data shard
             resume.check_data(data)
             self.replica.shard_index = resume.restore(lambda state: int(state["shard"]))
-            saved = resume.restore(lambda state: state.get("sync_shape"))
-            if saved is not None:
-                self.proposed = (int(saved[0]), int(saved[1]))
+            self.proposed = resume.restore(lambda state: saved_shape(state, self.proposed))
 
     @property
     def name(self) -> str:
