@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.swarm_procs import end_group, records, run_cli, spawn, start_bootstrap  # noqa: E402
+from tests.swarm_procs import records, run_cli, train_swarm  # noqa: E402
 
 OPTIONS = [
     "--algo",
@@ -52,22 +52,9 @@ OPTIONS += [
 
 def swarm(peers: int, steps: int, workdir: Path, timeout: float) -> list[dict]:
     """``peers`` real peers training ``steps`` steps together; their summaries."""
-    workdir.mkdir(parents=True)
-    boot = start_bootstrap(workdir)
-    common = ["join", "--bootstrap", boot.host_port, "--run-id", f"scale-{peers}", *OPTIONS]
-    common += ["--workers", str(peers), "--steps", str(steps), "--eval-every", str(steps), "--pace", "fixed"]
-    procs = []
-    try:
-        for i in range(peers):
-            own = ["--shard", f"{i}/{peers}", "--out", f"peer{i}.jsonl", "--quiet"]
-            procs.append(spawn([*common, *own], workdir, f"peer{i}.log"))
-        codes = [proc.wait(timeout=timeout) for proc in procs]
-    finally:
-        for proc in [*procs, boot.proc]:
-            end_group(proc)
-    if codes != [0] * peers:
-        raise SystemExit(f"{peers} peers: exit codes {codes}; see {workdir}")
-    return [records(workdir / f"peer{i}.jsonl")[-1] for i in range(peers)]
+    options = ["--run-id", f"scale-{peers}", *OPTIONS, "--workers", str(peers), "--steps", str(steps)]
+    options += ["--eval-every", str(steps), "--pace", "fixed"]
+    return train_swarm(workdir, options, [[]] * peers, timeout)
 
 
 def simulated(workers: int, steps: int, workdir: Path) -> dict:

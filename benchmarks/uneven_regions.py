@@ -21,39 +21,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.swarm_procs import end_group, records, spawn, start_bootstrap  # noqa: E402
+from tests.swarm_procs import train_swarm  # noqa: E402
 
 PEERS = 3
 
 
 def run(name: str, floors: list[float], args: argparse.Namespace, workdir: Path) -> list[dict]:
     """One run of three peers, peer i's steps held to ``floors[i]`` seconds; their summaries."""
-    workdir.mkdir(parents=True)
-    boot = start_bootstrap(workdir)
-    common = ["join", "--bootstrap", boot.host_port, "--run-id", name, "--algo", args.algo]
-    common += ["--model", "nano", "--tokenizer", "byte", "--seq-len", "32", "--batch-size", "4"]
-    common += ["--workers", str(PEERS), "--steps", str(args.steps), "--inner-steps", str(args.inner_steps)]
-    common += ["--fragments", "2", "--eval-every", str(args.steps), "--eval-batches", "2", "--threads", "1"]
-    procs = []
-    try:
-        for i, floor in enumerate(floors):
-            own = [
-                "--shard",
-                f"{i}/{PEERS}",
-                "--min-step-time",
-                str(floor),
-                "--out",
-                f"peer{i}.jsonl",
-                "--quiet",
-            ]
-            procs.append(spawn([*common, *own], workdir, f"peer{i}.log"))
-        codes = [proc.wait(timeout=args.timeout) for proc in procs]
-    finally:
-        for proc in [*procs, boot.proc]:
-            end_group(proc)
-    if codes != [0] * PEERS:
-        raise SystemExit(f"{name}: exit codes {codes}; see {workdir}")
-    return [records(workdir / f"peer{i}.jsonl")[-1] for i in range(PEERS)]
+    options = ["--run-id", name, "--algo", args.algo]
+    options += ["--model", "nano", "--tokenizer", "byte", "--seq-len", "32", "--batch-size", "4"]
+    options += ["--workers", str(PEERS), "--steps", str(args.steps), "--inner-steps", str(args.inner_steps)]
+    options += ["--fragments", "2", "--eval-every", str(args.steps), "--eval-batches", "2", "--threads", "1"]
+    return train_swarm(workdir, options, [["--min-step-time", str(floor)] for floor in floors], args.timeout)
 
 
 def main() -> None:

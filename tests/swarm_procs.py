@@ -228,6 +228,27 @@ def start_bootstrap(
     return Bootstrap(proc, info["maddrs"][0], f"{host}:{status_port}")
 
 
+def train_swarm(workdir: Path, options: list[str], own: list[list[str]], timeout: float) -> list[dict]:
+    """A bootstrap in ``workdir`` (made here) and one ``join OPTIONS OWN[i] --shard i/N`` per entry of
+    ``own``, writing peerI.jsonl and peerI.log, waited for and ended; their summaries (RuntimeError
+    naming the folder when one did not exit 0)."""
+    workdir.mkdir(parents=True)
+    boot = start_bootstrap(workdir)
+    procs = []
+    try:
+        for i, extra in enumerate(own):
+            args = ["join", "--bootstrap", boot.host_port, *options, *extra]
+            args += ["--shard", f"{i}/{len(own)}", "--out", f"peer{i}.jsonl", "--quiet"]
+            procs.append(spawn(args, workdir, f"peer{i}.log"))
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        for proc in [*procs, boot.proc]:
+            end_group(proc)
+    if codes != [0] * len(own):
+        raise RuntimeError(f"peers exited {codes}; see {workdir}")
+    return [records(workdir / f"peer{i}.jsonl")[-1] for i in range(len(own))]
+
+
 def evals(path: Path) -> int:
     """How many evaluations of θ̄ a peer has written: how far its training has come."""
     return sum(r["kind"] == "eval" for r in records(path)) if path.exists() else 0
