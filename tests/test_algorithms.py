@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from p2p_cocodc.algorithms.codecs import get_codec
 from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_per_tensor
 from p2p_cocodc.algorithms.fragments import assign_units, make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer
@@ -266,7 +267,9 @@ def test_cocodc_damped_without_overlap_equals_streaming_merge() -> None:
     assert cocodc["global_params_sha256"] == streaming["global_params_sha256"]
 
 
-@pytest.mark.parametrize("algo,codec", [("streaming", "int8"), ("cocodc", "fp4"), ("diloco", "bf16")])
+@pytest.mark.parametrize(
+    "algo,codec", [("streaming", "int8"), ("cocodc", "fp4"), ("diloco", "bf16"), ("cocodc", "topk4")]
+)
 def test_every_worker_holds_identical_global_params_after_every_sync(algo: str, codec: str) -> None:
     cfg = replace(
         SMALL,
@@ -321,6 +324,60 @@ def test_strategy_refuses_resending_a_fragment_in_flight() -> None:
     strategy.payload(0, 1)
     with pytest.raises(RuntimeError, match="already in flight"):
         strategy.payload(0, 2)
+
+
+# ---- error feedback ----
+
+
+def test_error_feedback_carries_what_was_not_sent_to_the_next_sync_of_the_fragment() -> None:
+    codec = get_codec("topk2")
+    model = build_model("nano", 256, 32)
+    strategy = make_strategy(model, replace(SMALL, algo="cocodc").algo_settings(), feedback=codec)
+    assert isinstance(strategy, Strategy) and strategy.feedback is not None
+    _progress(strategy, 0)
+    delta = strategy.outer[1].global_params - strategy.fragments[1].read()
+    sent = strategy.payload(1, 1)
+    assert torch.equal(sent, codec.roundtrip(delta))  # e = 0 at first: what the codec keeps of Δ
+    assert 0 < int((sent != 0).sum()) <= delta.numel() // 16  # 8 of every 256 values at most
+    residual = strategy.in_flight[1].residual
+    assert residual is not None and torch.allclose(sent + residual, delta, atol=1e-7)
+    assert not strategy.feedback.residuals[1].any()  # kept with the sync until it is applied
+    strategy.abandon(1)  # failed: e_p stays, the next Δ_p holds the progress again
+    assert not strategy.feedback.residuals[1].any()
+    again = strategy.payload(1, 2)
+    assert torch.equal(again, sent)
+    strategy.apply(1, torch.zeros_like(again), 3)  # applied: e_p is the residual of that send
+    assert torch.allclose(strategy.feedback.residuals[1], delta - sent, atol=1e-7)
+    # the next send of fragment 1 sends what the codec keeps of Δ + e, and is checkpointed
+    _progress(strategy, 1)
+    carried = strategy.outer[1].global_params - strategy.fragments[1].read() + strategy.feedback.residuals[1]
+    assert torch.equal(strategy.payload(1, 4), codec.roundtrip(carried))
+    saved = strategy.state_dict()
+    assert torch.equal(saved["residuals"][1], strategy.feedback.residuals[1])
+    fresh = make_strategy(
+        build_model("nano", 256, 32), replace(SMALL, algo="cocodc").algo_settings(), feedback=codec
+    )
+    fresh.load_state_dict(copy.deepcopy(saved))
+    assert all(
+        torch.equal(a, b) for a, b in zip(fresh.feedback.residuals, strategy.feedback.residuals, strict=True)
+    )  # type: ignore[attr-defined]
+    assert "residuals" not in strategy.shared_state()  # per replica: a joiner starts from zero
+
+
+def test_a_lossless_codec_or_error_feedback_off_keeps_no_residual() -> None:
+    for codec, feedback in (("fp32", True), ("topk2", False)):
+        sim = Simulation(replace(SMALL, algo="cocodc", codec=codec, error_feedback=feedback).validate())
+        strategy = sim.workers[0].strategy
+        assert isinstance(strategy, Strategy) and strategy.feedback is None
+
+
+def test_topk_options_are_checked() -> None:
+    with pytest.raises(UserError, match="--topk applies to the topk2 and topk4 codecs"):
+        replace(SMALL, topk=0.1).validate()
+    with pytest.raises(UserError, match="--topk must be a fraction"):
+        replace(SMALL, codec="topk2", topk=0.0).validate()
+    with pytest.raises(UserError, match="ddp's gradient average does not keep"):
+        replace(SMALL, algo="ddp", overlap=0, codec="topk4").validate()
 
 
 # ---- joining a run under way ----

@@ -4,6 +4,8 @@ import struct
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2p_cocodc.algorithms.codecs import CODECS, Codec, decode_mean, get_codec
 from p2p_cocodc.errors import UserError
@@ -119,7 +121,9 @@ def test_int8_layout() -> None:
     assert payload == struct.pack("<f", 1.0) + struct.pack("<3b", 127, -64, 0)
 
 
-@pytest.mark.parametrize(("name", "ratio"), [("bf16", 2.0), ("int8", 3.94), ("fp4", 7.11)])
+@pytest.mark.parametrize(
+    ("name", "ratio"), [("bf16", 2.0), ("int8", 3.94), ("fp4", 7.11), ("topk2", 73.13), ("topk4", 63.99)]
+)
 def test_compression_ratio(name: str, ratio: float) -> None:
     n = 10**6
     got = CODECS["fp32"].wire_bytes(n) / len(CODECS[name].encode(randn(n)))
@@ -166,8 +170,9 @@ def test_wrong_length_rejected(name: str) -> None:
         codec.decode(payload[:-1], 100)  # truncated
     with pytest.raises(UserError, match=f"got {expected + 1} bytes"):
         codec.decode(payload + b"\0", 100)
+    longer = next(n for n in range(101, 1000) if codec.wire_bytes(n) != expected)  # a chunk more
     with pytest.raises(UserError, match="must be"):
-        codec.decode(payload, 101)
+        codec.decode(payload, longer)
     with pytest.raises(UserError, match="must be 0 bytes"):
         codec.decode(b"\0", 0)
 
@@ -205,7 +210,7 @@ def test_bf16_non_finite_payload_rejected() -> None:
         CODECS["bf16"].decode(payload, 2)
 
 
-@pytest.mark.parametrize("name", ["int8", "fp4"])
+@pytest.mark.parametrize("name", ["int8", "fp4", "topk2", "topk4"])
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
 def test_bad_scale_rejected(name: str, scale: float) -> None:
     codec = get_codec(name)
@@ -255,3 +260,121 @@ def test_bf16_encode_rejects_overflow() -> None:
 def test_unknown_codec_lists_valid_names() -> None:
     with pytest.raises(UserError, match="unknown codec 'fp8'; valid codecs: fp32, bf16, int8, fp4"):
         get_codec("fp8")
+
+
+# ---- top-k ----
+
+
+def chunk_view(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, -x.numel() % 256)).view(-1, 256)
+
+
+@pytest.mark.parametrize("name", ["topk2", "topk4"])
+@pytest.mark.parametrize("fraction", [1 / 256, 1 / 32, 0.1])
+def test_topk_keeps_each_chunks_largest_values_within_a_level(name: str, fraction: float) -> None:
+    codec = get_codec(name, fraction)
+    k, levels = codec.slots, 2 ** (codec.bits - 1)  # type: ignore[attr-defined]
+    assert k == max(1, round(fraction * 256))
+    x = randn(256 * 7 + 100)
+    x[:256] = 0.0  # an all-zero chunk
+    x[256 : 256 + 200] = 0.0  # a chunk with fewer nonzero values than slots at 0.1
+    y = roundtrip(codec, x)
+    for xc, yc in zip(chunk_view(x), chunk_view(y), strict=True):
+        nonzero = int((xc != 0).sum())
+        kept = yc != 0
+        assert int(kept.sum()) == min(k, nonzero)
+        if nonzero:
+            s = float(xc.abs().max())
+            # the kept ones are the largest: nothing left out is larger than the smallest kept
+            left_out = torch.cat([xc[~kept].abs(), torch.zeros(1)])
+            assert float(left_out.max()) <= float(xc[kept].abs().min())
+            assert torch.equal(yc[kept].sign(), xc[kept].sign())
+            assert float((yc[kept] - xc[kept]).abs().max()) <= s / levels * (1 + 1e-6)
+            assert float(yc.abs().max()) == s  # the largest value is exact
+
+
+def test_topk_layout() -> None:
+    codec = get_codec("topk2", 4 / 256)
+    payload = codec.encode(torch.tensor([0.5, -1.0, 0.2, 0.0, 0.9]))
+    scale, indices, codes = payload[:4], list(payload[4:8]), payload[8]
+    assert struct.unpack("<f", scale) == (1.0,)
+    assert indices == [0, 1, 2, 4]  # the four largest |x|, ascending
+    # 2 bits each, low bits first: +0.5 -> m 0; -1.0 -> sign | m 1; 0.2 -> m 0 (s/2); 0.9 -> m 1
+    assert [(codes >> (2 * i)) & 3 for i in range(4)] == [0, 3, 0, 1]
+    payload = codec.encode(torch.tensor([0.0, 3.0, 0.0]))  # one nonzero value: three unused slots
+    assert list(payload[4:8]) == [1, 1, 1, 1] and payload[8] == 1
+
+
+def hostile(codec_name: str, change) -> bytes:
+    codec = get_codec(codec_name, 4 / 256)
+    payload = bytearray(codec.encode(randn(300)))
+    change(payload)
+    return bytes(payload)
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (lambda b: b.__setitem__(slice(8, 12), bytes([9, 3, 20, 30])), "decreasing indices"),
+        (lambda b: b.__setitem__(slice(8, 12), bytes([3, 3, 20, 30])), "unused slots must end it"),
+        (lambda b: b.__setitem__(slice(12, 16), bytes([40, 40, 40, 40])), "unused slots must end it"),
+        (lambda b: b.__setitem__(slice(12, 16), bytes([40, 200, 210, 250])), "beyond the 300 values"),
+    ],
+)
+def test_topk_hostile_indices_rejected(change, error: str) -> None:
+    codec = get_codec("topk2", 4 / 256)
+    with pytest.raises(UserError, match=error):
+        codec.decode(hostile("topk2", change), 300)
+
+
+def test_topk_mean_codec_keeps_the_union_of_what_members_sent() -> None:
+    codec = get_codec("topk2")
+    members = [roundtrip(codec, randn(5000, seed=s)) for s in range(3)]
+    mean = decode_mean([codec.encode(m) for m in members], codec, 5000)
+    mean_codec = codec.mean_codec(3)
+    assert mean_codec.slots == 3 * codec.slots and mean_codec.bits == 8  # type: ignore[attr-defined]
+    assert codec.mean_codec(100).slots == 256  # type: ignore[attr-defined]
+    got = roundtrip(mean_codec, mean)
+    assert torch.equal(got != 0, mean != 0)  # the union of the three selections, nothing dropped
+    scale = block_absmax(mean, 256)
+    assert bool(((got - mean).abs() <= scale / 128 + 1e-12).all())
+    assert codec.bound_bytes(5000) >= max(codec.wire_bytes(5000), mean_codec.wire_bytes(5000))
+    assert codec.round_bytes(5000, 3) == codec.wire_bytes(5000) + mean_codec.wire_bytes(5000)
+
+
+def test_topk_fraction_is_checked() -> None:
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(UserError, match="--topk must be a fraction in"):
+            get_codec("topk2", bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(ALL), numel=st.integers(0, 700), data=st.data())
+def test_any_payload_decodes_to_finite_values_or_one_error(name: str, numel: int, data) -> None:
+    """Fuzz: bytes of the right length from a hostile peer give a finite fp32 vector of numel values
+    whose round trip is stable, or a UserError; never another exception."""
+    codec = get_codec(name)
+    size = codec.wire_bytes(numel)
+    payload = data.draw(st.binary(min_size=size, max_size=size))
+    try:
+        value = codec.decode(payload, numel)
+    except UserError:
+        return
+    assert value.shape == (numel,) and value.dtype == torch.float32 and bool(torch.isfinite(value).all())
+
+
+@settings(max_examples=100, deadline=None)
+@given(name=st.sampled_from(["topk2", "topk4"]), numel=st.integers(1, 600), data=st.data())
+def test_mutated_topk_payloads_decode_or_fail_cleanly(name: str, numel: int, data) -> None:
+    """Fuzz from valid payloads: flip bytes of an honest encoding."""
+    codec = get_codec(name)
+    payload = bytearray(codec.encode(randn(numel, seed=numel)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(payload) - 1))
+        payload[at] = data.draw(st.integers(0, 255))
+    try:
+        value = codec.decode(bytes(payload), numel)
+    except UserError:
+        return
+    assert value.shape == (numel,) and bool(torch.isfinite(value).all())
+    assert int((chunk_view(value) != 0).sum(1).max()) <= codec.slots  # type: ignore[attr-defined]

@@ -46,9 +46,17 @@ BASE = TrainConfig(
 CASES = {
     "ddp": {"algo": "ddp", "overlap": 0},
     "diloco": {"algo": "diloco", "overlap": 0},
-    "streaming": {"algo": "streaming", "codec": "int8"},
+    # recorded before error feedback (now on with a lossy codec by default)
+    "streaming": {"algo": "streaming", "codec": "int8", "error_feedback": False},
     # η 0.4: at the default 0.7 this N = 2K case diverges late with fp32 or int8 (fp4 hid it)
-    "cocodc": {"algo": "cocodc", "transmissions": 8, "codec": "fp4", "outer_lr": 0.4},
+    "cocodc": {
+        "algo": "cocodc",
+        "transmissions": 8,
+        "codec": "fp4",
+        "outer_lr": 0.4,
+        "error_feedback": False,
+    },
+    "cocodc-topk2": {"algo": "cocodc", "codec": "topk2"},  # 8 of 256 values at 2 bits, error feedback
     "cocodc-step": {"algo": "cocodc", "dc_rule": "step", "dc_wd_debias": True},
 }
 

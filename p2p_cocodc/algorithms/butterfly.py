@@ -6,7 +6,8 @@ A vector of ``numel`` fp32 values is averaged over M members like this:
 2. every member encodes its slice j with the run's codec and sends it to member j (``encode_slices``);
 3. owner j decodes the M encodings of slice j, screens them and combines the members it keeps with
    the run's aggregation rule (``reduce_slice``, ``algorithms/aggregation.py``: by default the sum in
-   member order divided by M, the same float operations wherever it runs), and encodes the result;
+   member order divided by M, the same float operations wherever it runs), and encodes the result
+   with the codec's ``mean_codec(M)`` (the codec itself, but for a top-k one: its M-fold union);
 4. every member decodes the M encoded results and concatenates them (``assemble``).
 
 Because a block codec quantizes each block on its own and slices end on block edges, the mean with
@@ -50,19 +51,22 @@ def reduce_slice(
     codec: Codec,
     aggregation: Aggregation = MEAN,
     earlier: Sequence[Sequence[float]] = (),
+    members: int | None = None,
 ) -> tuple[bytes, Screening]:
-    """Step 3: the owner's aggregate of one slice over every member's encoding, encoded again, and its
-    screening (the members, positions in ``encoded``, left out of it as outliers, and their cosines;
-    ``earlier``: each member's earlier cosines at this owner). With nobody screened out, the mean is
-    the sum in member order divided by M. Raises UserError (from the codec) on a payload of the wrong
-    size or non-finite."""
+    """Step 3: the owner's aggregate of one slice over every member's encoding, encoded again with
+    ``codec.mean_codec(members)`` (``members``: the round's M, default ``len(encoded)``; fewer are
+    encoded when some were left out before screening), and its screening (the members, positions
+    in ``encoded``, left out of it as outliers, and their cosines; ``earlier``: each member's earlier
+    cosines at this owner). With nobody screened out, the mean is the sum in member order divided by
+    M. Raises UserError (from the codec) on a payload of the wrong size or non-finite."""
     value, screening = aggregate([codec.decode(data, numel) for data in encoded], aggregation, earlier)
-    return codec.encode(value), screening
+    return codec.mean_codec(members or len(encoded)).encode(value), screening
 
 
 def assemble(means: Sequence[bytes], sizes: Sequence[int], codec: Codec) -> torch.Tensor:
-    """Step 4: the averaged vector from every owner's encoded mean slice."""
-    return torch.cat([codec.decode(data, n) for data, n in zip(means, sizes, strict=True)])
+    """Step 4: the averaged vector from every owner's encoded mean slice (one per member)."""
+    mean_codec = codec.mean_codec(len(means))
+    return torch.cat([mean_codec.decode(data, n) for data, n in zip(means, sizes, strict=True)])
 
 
 def butterfly_mean(

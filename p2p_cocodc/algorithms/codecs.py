@@ -16,6 +16,24 @@ are assumed little-endian, as x86 and ARM are), for a flat vector of ``n`` float
           magnitude ``s·2^-e``, ``e = 7`` means zero (encoded with sign 0). Encoding picks the
           nearest level in log2 space, ``e = round(-log2(|x|/s))`` clamped to [0, 6]; magnitudes
           below ``s·2^-6.5`` become zero. Value = ``±s·2^-e``. Bytes: 4·nb + ceil(n/2).
+``topk2`` ``topk4``  SparseLoCo-style chunked top-k with b = 2 or 4 bits per value: chunks of
+          ``C = 256`` values, ``nc = ceil(n/C)``, ``k`` slots per chunk (``--topk``: a fraction
+          of C, rounded, at least 1). ``nc`` float32 scales ``s = absmax`` of the chunk, then
+          ``nc·k`` uint8 indices (chunk by chunk), then ``nc·k`` b-bit codes packed low bits
+          first, ``8/b`` per byte, the last byte zero-padded. A chunk's selection is its k largest
+          |x| (``torch.topk``) among its nonzero values; its indices are written ascending, and
+          when fewer than k values are nonzero the unused slots repeat the last used index with
+          code 0 (a chunk of zeros: index 0, code 0 throughout, scale 0). Slot i > 0 is used iff
+          its index is greater than slot i−1's; indices never decrease, and a used slot never
+          follows an unused one. Code = ``sign << (b−1) | m``, ``L = 2^(b−1)`` magnitude levels,
+          ``m = round(|x|/s·L − 1)`` clamped to [0, L−1]; value ``±s·(m+1)/L``, so a selected
+          value never decodes to zero. Bytes: 4·nc + nc·k + ceil(nc·k·b/8).
+
+Lossy codecs pair with error feedback (``ErrorFeedback``): what a replica did not send of a
+fragment's outer gradient is added to its next one. A top-k codec's averages are denser than what
+each member sent: the owner of a butterfly slice encodes its aggregate with ``mean_codec(M)``, the
+same chunked format with min(C, M·k) slots and 8-bit values, which keeps every coordinate some
+member sent (the union of M selections) and quantizes only the values.
 
 Decoded values are already on the codec's grid, so decode→encode→decode returns the same tensor.
 ``decode`` takes payloads from untrusted peers: it checks the length against the ``numel`` the
@@ -34,7 +52,9 @@ import torch.nn.functional as F
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import CODEC_NAMES
 
-__all__ = ["CODECS", "Codec", "decode_mean", "get_codec", "mean_in_order"]
+__all__ = ["CODECS", "Codec", "ErrorFeedback", "TopKCodec", "decode_mean", "get_codec", "mean_in_order"]
+
+DEFAULT_TOPK = 1 / 32  # a top-k codec's share of each chunk when --topk is not given: 8 of 256
 
 
 class Codec(ABC):
@@ -80,6 +100,29 @@ class Codec(ABC):
             raise UserError(f"{self.name}: numel must be a non-negative int, got {numel!r}")
         return self._wire_bytes(numel)
 
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def mean_codec(self, members: int) -> Codec:
+        """The format the owner of a butterfly slice encodes the aggregate of ``members`` members'
+        slices in (the codec itself, but for a sparse one)."""
+        return self
+
+    def round_bytes(self, numel: int, members: int) -> int:
+        """What one member of a butterfly round of ``members`` sends of a vector of ``numel`` values,
+        (M − 1)/M of it, or receives: the vector's slices encoded, plus their means encoded."""
+        return self.wire_bytes(numel) + self.mean_codec(members).wire_bytes(numel)
+
+    def bound_bytes(self, numel: int) -> int:
+        """The largest payload for ``numel`` values that any message of a round with this codec
+        carries, whatever the number of members."""
+        return self.wire_bytes(numel)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """What the receivers of ``encode(x)`` decode (a new fp32 CPU tensor)."""
+        return self.decode(self.encode(x), x.numel())
+
     @abstractmethod
     def _wire_bytes(self, numel: int) -> int: ...
 
@@ -124,6 +167,10 @@ class Fp32Codec(Codec):
     """Lossless baseline."""
 
     name = "fp32"
+
+    @property
+    def lossless(self) -> bool:
+        return True
 
     def _wire_bytes(self, numel: int) -> int:
         return 4 * numel
@@ -220,17 +267,146 @@ class Fp4Codec(Codec):
         return _FP4_TABLE[codes.long()].mul_(scales.repeat_interleave(self.block)[:numel])
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (Fp32Codec(), Bf16Codec(), Int8Codec(), Fp4Codec())}
+class TopKCodec(Codec):
+    """Chunked top-k with low-bit values (see the module docstring): with k = 8 of 256 and 2 bits,
+    73x smaller than fp32; what it leaves out is error feedback's to carry."""
+
+    block = 256  # the chunk C: indices fit a byte, and slices cut on chunk edges encode like the whole
+
+    def __init__(self, name: str, slots: int, bits: int) -> None:
+        if bits not in (2, 4, 8) or not 1 <= slots <= self.block:
+            raise ValueError(f"top-k needs 2, 4 or 8 bits and 1..{self.block} slots, got {bits}, {slots}")
+        self.name, self.slots, self.bits = name, slots, bits
+        self.levels = 2 ** (bits - 1)
+
+    def mean_codec(self, members: int) -> Codec:
+        if members < 1:
+            raise UserError(f"{self.name}: an average needs at least one member, got {members}")
+        return TopKCodec(f"{self.name} mean of {members}", min(self.block, members * self.slots), 8)
+
+    def bound_bytes(self, numel: int) -> int:
+        return max(self.wire_bytes(numel), self.mean_codec(self.block).wire_bytes(numel))
+
+    def _wire_bytes(self, numel: int) -> int:
+        slots = -(-numel // self.block) * self.slots
+        return 4 * (slots // self.slots) + slots + -(-slots * self.bits // 8)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        xb = _blocks(x, self.block)
+        scales = xb.abs().amax(dim=1)
+        magnitude, index = xb.abs().topk(self.slots, dim=1)
+        used = magnitude > 0
+        # used slots first, by index; unused after them (their order is irrelevant: they are refilled)
+        order = torch.where(used, index, index + self.block).argsort(dim=1)
+        index, used = index.gather(1, order), used.gather(1, order)
+        index = torch.where(used, index, -1).cummax(dim=1).values.clamp_(min=0)
+        value = xb.gather(1, index)
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
+        m = (value.abs() / divisor * self.levels - 1).round_().clamp_(0, self.levels - 1).to(torch.uint8)
+        codes = torch.where(used, m | ((value < 0).to(torch.uint8) << (self.bits - 1)), 0)
+        return _to_bytes(scales, index.to(torch.uint8).reshape(-1), self._pack(codes.reshape(-1)))
+
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        per = 8 // self.bits
+        grouped = F.pad(codes, (0, -codes.numel() % per)).view(-1, per)
+        packed = torch.zeros(grouped.shape[0], dtype=torch.uint8)
+        for j in range(per):
+            packed |= grouped[:, j] << (j * self.bits)
+        return packed
+
+    def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        chunks = -(-numel // self.block)
+        count = chunks * self.slots
+        scales = buf[: 4 * chunks].view(torch.float32)
+        _check_scales(self.name, scales)
+        index = buf[4 * chunks : 4 * chunks + count].view(chunks, self.slots).long()
+        packed = buf[4 * chunks + count :]
+        per = 8 // self.bits
+        shifts = torch.arange(per, dtype=torch.uint8) * self.bits
+        codes = (
+            ((packed[:, None] >> shifts) & (2**self.bits - 1)).reshape(-1)[:count].view(chunks, self.slots)
+        )
+        step = index.diff(dim=1)
+        if bool((step < 0).any()):
+            raise UserError(
+                f"{self.name}: chunk {int((step < 0).any(1).nonzero()[0, 0])} has decreasing indices"
+            )
+        used = torch.cat([torch.ones(chunks, 1, dtype=torch.bool), step > 0], dim=1)
+        if bool((used[:, 1:] & ~used[:, :-1]).any()) or bool((codes[~used] != 0).any()):
+            raise UserError(f"{self.name}: a chunk's unused slots must end it, repeat its last index, code 0")
+        beyond = used & (index + torch.arange(chunks)[:, None] * self.block >= numel)
+        if bool(beyond.any()):
+            raise UserError(f"{self.name}: an index points beyond the {numel} values")
+        half = self.levels
+        magnitude = ((codes & (half - 1)).float() + 1) / half * scales[:, None]
+        value = torch.where(codes >= half, -magnitude, magnitude)
+        out = torch.zeros(chunks, self.block)
+        out.scatter_add_(1, index, torch.where(used, value, 0.0))  # unused slots add +0
+        return out.view(-1)[:numel].clone() if numel % self.block else out.view(-1)
+
+
+def _topk_slots(fraction: float) -> int:
+    """Slots per chunk for a --topk fraction: rounded, at least 1."""
+    if not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        raise UserError(f"--topk must be a fraction in (0, 1], got {fraction!r}")
+    return max(1, min(TopKCodec.block, round(fraction * TopKCodec.block)))
+
+
+def _make(name: str, topk: float) -> Codec:
+    bits = {"topk2": 2, "topk4": 4}[name]
+    return TopKCodec(name, _topk_slots(topk), bits)
+
+
+CODECS: dict[str, Codec] = {
+    c.name: c
+    for c in (
+        Fp32Codec(),
+        Bf16Codec(),
+        Int8Codec(),
+        Fp4Codec(),
+        _make("topk2", DEFAULT_TOPK),
+        _make("topk4", DEFAULT_TOPK),
+    )
+}
 if tuple(CODECS) != CODEC_NAMES:  # the CLI offers CODEC_NAMES without importing this module
     raise ImportError(f"codecs {tuple(CODECS)} differ from names.CODEC_NAMES {CODEC_NAMES}")
 
 
-def get_codec(name: str) -> Codec:
-    """Look a codec up by its config/CLI name."""
+def get_codec(name: str, topk: float = DEFAULT_TOPK) -> Codec:
+    """Look a codec up by its config/CLI name; ``topk``: a top-k codec's share of each chunk."""
+    if name in ("topk2", "topk4") and topk != DEFAULT_TOPK:
+        return _make(name, topk)
     try:
         return CODECS[name]
     except (KeyError, TypeError):
         raise UserError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}") from None
+
+
+class ErrorFeedback:
+    """Error feedback for one replica's fragments (Seide et al. 2014; Karimireddy et al. 2019, EF-SGD;
+    SparseLoCo): with e_p the residual of fragment p (0 at the start),
+
+        v = Δ_p + e_p,   sent = C(v)   (what every receiver decodes),   e_p ← v − sent,
+
+    so a coordinate the codec drops or rounds is carried to the fragment's next sync instead of
+    lost. ``compress`` returns ``sent`` and the new residual without keeping it: the replica keeps
+    it with the sync in flight and ``commit``s it when the sync's result is applied; a sync that
+    fails leaves e_p as it was (Δ_p of the next send still holds the progress that was not
+    averaged, so carrying its residual would count it twice). Residuals are per replica, not
+    shared: a joiner starts from zero."""
+
+    def __init__(self, codec: Codec, sizes: Sequence[int]) -> None:
+        self.codec = codec
+        self.residuals = [torch.zeros(n) for n in sizes]
+
+    def compress(self, p: int, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sent, the residual after it) for fragment p's outer gradient ``delta`` (CPU fp32)."""
+        carried = delta + self.residuals[p]
+        sent = self.codec.roundtrip(carried)
+        return sent, carried.sub_(sent)
+
+    def commit(self, p: int, residual: torch.Tensor) -> None:
+        self.residuals[p] = residual
 
 
 def decode_mean(payloads: Sequence[bytes], codec: Codec, numel: int) -> torch.Tensor:

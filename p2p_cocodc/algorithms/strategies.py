@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from p2p_cocodc.algorithms.codecs import Codec, ErrorFeedback
 from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_per_tensor
 from p2p_cocodc.algorithms.devices import DeviceCopy, Placement
 from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
@@ -105,6 +106,7 @@ class PendingSync:
     snapshot: torch.Tensor
     sent_step: int
     due_step: int
+    residual: torch.Tensor | None = None  # error feedback's residual after this send, kept if applied
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Strategy(ReplicaStrategy):
         overlap: int,
         outer: OuterSettings,
         placement: Placement | None = None,
+        feedback: Codec | None = None,
     ) -> None:
         self.model = model
         self.fragments = fragments
@@ -184,6 +187,8 @@ class Strategy(ReplicaStrategy):
         self.placement = placement or Placement()
         self.outer = [OuterOptimizer(f.read(), outer) for f in fragments]
         self.in_flight: dict[int, PendingSync] = {}
+        # error feedback for a lossy codec: what is sent of Δ_p is what the codec keeps of Δ_p + e_p
+        self.feedback = ErrorFeedback(feedback, [f.numel for f in fragments]) if feedback else None
 
     def sends_after(self, step: int) -> list[int]:
         return self.schedule.select(step, self.in_flight.keys())
@@ -209,8 +214,14 @@ class Strategy(ReplicaStrategy):
 
     def outer_gradient(self, p: int, snapshot: torch.Tensor) -> torch.Tensor:
         """Δ_p = θ̄_p − θ_p on the CPU, from a host copy of the snapshot ``send`` returned (θ̄_p does
-        not move while p is in flight, so this may run after the send)."""
-        return self.outer[p].global_params - snapshot
+        not move while p is in flight, so this may run after the send, and again with the same
+        result). With error feedback, what the codec keeps of Δ_p + e_p instead (``ErrorFeedback``:
+        the new residual is kept with the sync, and becomes e_p when its result is applied)."""
+        delta = self.outer[p].global_params - snapshot
+        if self.feedback is None:
+            return delta
+        sent, self.in_flight[p].residual = self.feedback.compress(p, delta)
+        return sent
 
     def due(self, step: int) -> list[int]:
         """Fragments whose result must be applied now, in the order they were sent."""
@@ -238,6 +249,8 @@ class Strategy(ReplicaStrategy):
         elif averaged.changes != self.outer[p].changes:  # θ̄_p changed, or was peeked, since: again
             averaged = self.prepare(p, averaged.averaged)
         pending = self.in_flight.pop(p)
+        if self.feedback is not None and pending.residual is not None:  # None: a sync this replica took over
+            self.feedback.commit(p, pending.residual)
         self.outer[p].take(averaged.outer)
         fragment = self.fragments[p]
         fragment.write(self.merge(fragment, averaged.on_device.get(), pending, step))
@@ -246,7 +259,7 @@ class Strategy(ReplicaStrategy):
             self.schedule.set_spacing(spacing)
 
     def abandon(self, p: int) -> None:
-        """The sync of fragment p failed: θ̄_p and the replica stay as they are, p may be sent again.
+        """The sync of fragment p failed: θ̄_p, the replica and e_p stay as they are, p may be sent again.
 
         Consistent across replicas as long as every replica abandons the same syncs."""
         self.in_flight.pop(p)
@@ -268,12 +281,17 @@ class Strategy(ReplicaStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this object adds to the replica, to resume bit-exactly: ``shared_state()``
-        with each sync in flight's snapshot added. The replica's own parameters belong to its
-        InnerTrainer, and the averaged results a driver holds for the syncs in flight belong to the
-        driver. Tensors are the live ones, not copies."""
+        with each sync in flight's snapshot added, and with error feedback each fragment's residual
+        e_p (``"residuals"``) and each sync in flight's residual after its send once computed. The
+        replica's own parameters belong to its InnerTrainer, and the averaged results a driver holds
+        for the syncs in flight belong to the driver. Tensors are the live ones, not copies."""
         state = self.shared_state()
         for sync, pending in zip(state["in_flight"], self.in_flight.values(), strict=True):
             sync["snapshot"] = pending.snapshot
+            if pending.residual is not None:
+                sync["residual"] = pending.residual
+        if self.feedback is not None:
+            state["residuals"] = self.feedback.residuals
         return state
 
     def shared_state(self) -> dict[str, Any]:
@@ -302,6 +320,18 @@ class Strategy(ReplicaStrategy):
             return saved.to(self.placement.device, copy=True)
 
         self._load_shared(state, saved_snapshot)
+        if self.feedback is None:
+            return
+        saved = state.get("residuals") or [torch.zeros_like(r) for r in self.feedback.residuals]
+        if len(saved) != len(self.feedback.residuals):  # none: a checkpoint of a run without it, e = 0
+            raise ValueError(f"the state has {len(saved)} residuals, this strategy {len(self.outer)}")
+        for p, (residual, like) in enumerate(zip(saved, self.feedback.residuals, strict=True)):
+            self.feedback.commit(p, expect_tensor(residual, like, f"residual of fragment {p}").clone())
+        for sync in state["in_flight"]:
+            if sync.get("residual") is not None:
+                like = self.feedback.residuals[sync["fragment"]]
+                residual = expect_tensor(sync["residual"], like, f"residual of fragment {sync['fragment']}")
+                self.in_flight[sync["fragment"]].residual = residual.clone()
 
     def join_from(self, shared: dict[str, Any]) -> None:
         """Become a replica that joins the run after step S, given a ``shared_state()`` taken then.
@@ -350,9 +380,10 @@ class Streaming(Strategy):
         fragments: list[Fragment],
         settings: AlgoSettings,
         placement: Placement | None = None,
+        feedback: Codec | None = None,
     ) -> None:
         schedule = FixedSchedule(settings.inner_steps, len(fragments))
-        super().__init__(model, fragments, schedule, settings.overlap, settings.outer, placement)
+        super().__init__(model, fragments, schedule, settings.overlap, settings.outer, placement, feedback)
         self.alpha = settings.alpha
 
     def merge(
@@ -371,11 +402,14 @@ class CoCoDC(Strategy):
         settings: AlgoSettings,
         decay_between: Callable[[int, int], float] | None = None,
         placement: Placement | None = None,
+        feedback: Codec | None = None,
     ) -> None:
         self.schedule: AdaptiveSchedule = AdaptiveSchedule(
             settings.inner_steps, len(fragments), settings.transmissions
         )
-        super().__init__(model, fragments, self.schedule, settings.overlap, settings.outer, placement)
+        super().__init__(
+            model, fragments, self.schedule, settings.overlap, settings.outer, placement, feedback
+        )
         self.settings = settings
         self.decay_between = decay_between
         if settings.dc_wd_debias and decay_between is None:
@@ -452,16 +486,18 @@ def make_strategy(
     settings: AlgoSettings,
     decay_between: Callable[[int, int], float] | None = None,
     placement: Placement | None = None,
+    feedback: Codec | None = None,
 ) -> ReplicaStrategy:
     """The strategy object of one replica for ``settings.algo``; the replica lives on
-    ``placement``'s device (default: the CPU)."""
+    ``placement``'s device (default: the CPU). ``feedback``: the lossy codec whose error this
+    replica feeds back into its outer gradients (none: none is; ddp keeps none)."""
     if settings.algo == "ddp":
         return DataParallel(model)
     if settings.algo == "diloco":
         whole_model = make_fragments(model, 1, "sequential")
         schedule = FixedSchedule(settings.inner_steps, 1)
-        return Strategy(model, whole_model, schedule, 0, settings.outer, placement)
+        return Strategy(model, whole_model, schedule, 0, settings.outer, placement, feedback)
     fragments = make_fragments(model, settings.fragments, settings.pattern)
     if settings.algo == "streaming":
-        return Streaming(model, fragments, settings, placement)
-    return CoCoDC(model, fragments, settings, decay_between, placement)
+        return Streaming(model, fragments, settings, placement, feedback)
+    return CoCoDC(model, fragments, settings, decay_between, placement, feedback)

@@ -80,6 +80,12 @@ class TrainConfig:
     gap_penalty: float = opt(1.0, "CO2 staleness gap penalty Λ: outer gradient divided by Λ")
     momentum_clip: float | None = opt(None, "CO2 outer-momentum clipping φ", shown="off")
     codec: str = opt("fp32", "wire format of exchanged outer gradients", CODEC_NAMES)
+    topk: float = opt(
+        1 / 32, "topk2/topk4: the share of each chunk of 256 values a replica sends (rounded, at least 1)"
+    )
+    error_feedback: bool = opt(
+        True, "a lossy codec's rounding and dropped values are added to the fragment's next outer gradient"
+    )
     # what the owner of a butterfly slice makes of its members' slices (docs/algorithms.md)
     aggregate: str = opt(
         "mean", "how each slice owner combines the members it keeps after screening", AGGREGATES
@@ -265,6 +271,15 @@ class TrainConfig:
                 "as they are (too noisy to screen); leave it out"
             )
         check_sync(self.algo, self.inner_steps, self.fragments, self.overlap, self.transmissions)
+        if not 0 < self.topk <= 1:
+            raise UserError(f"--topk must be a fraction in (0, 1], got {self.topk}")
+        if self.topk != FIELDS["topk"].default and not self.codec.startswith("topk"):
+            raise UserError(f"--topk applies to the topk2 and topk4 codecs, not --codec {self.codec}")
+        if self.algo == "ddp" and self.codec.startswith("topk"):
+            raise UserError(
+                f"--codec {self.codec} drops most values and needs error feedback, which ddp's gradient "
+                "average does not keep: use fp32, bf16, int8 or fp4 with ddp"
+            )
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"--device {self.device!r}: use auto, cpu, cuda, cuda:N or mps")
         if self.data is not None and not Path(self.data).exists():

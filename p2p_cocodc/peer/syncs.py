@@ -142,7 +142,7 @@ class SwarmReplica:
         """The largest message of the run: the largest round's average in fp32 (a FETCH answer), or
         a slice of it encoded with the run's codec, plus room for the message's other fields."""
         numel = self.strategy.largest_round()
-        return max(4 * numel, self.setup.codec.wire_bytes(numel)) + 64 * 1024
+        return max(4 * numel, self.setup.codec.bound_bytes(numel)) + 64 * 1024
 
     @property
     def bytes_sent(self) -> int:

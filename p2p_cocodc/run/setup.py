@@ -53,7 +53,7 @@ class TrainingSetup:
         self.base = build_model(cfg.model, self.tokens.vocab_size, cfg.seq_len)
         self.num_params = count_parameters(self.base)
         self.inner = cfg.inner_settings()
-        self.codec: Codec = get_codec(cfg.codec)
+        self.codec: Codec = get_codec(cfg.codec, cfg.topk)
         self.val_batches = validation_batches(self.tokens.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
 
     def data_sha256(self) -> str:
@@ -85,7 +85,8 @@ class TrainingSetup:
     ) -> ReplicaStrategy:
         """The strategy of a replica ``model`` on ``placement`` (default: the replica's device);
         θ̄ starts as the model's parameters."""
-        return make_strategy(model, settings, self.inner.decay_between, placement or self.placement)
+        feedback = self.codec if self.cfg.error_feedback and not self.codec.lossless else None
+        return make_strategy(model, settings, self.inner.decay_between, placement or self.placement, feedback)
 
     def eval_model(self) -> nn.Module:
         """A copy of the model on the replica's device, that evaluations load θ̄ into."""
@@ -220,8 +221,9 @@ def fallback_folder(cfg: TrainConfig, steps: int) -> str:
 
 
 def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:
-    """Bytes one replica sends in a butterfly all-reduce of ``numel`` values."""
-    return math.ceil(2 * (replicas - 1) * codec.wire_bytes(numel) / replicas)
+    """Bytes one replica sends in a butterfly all-reduce of ``numel`` values: (M − 1)/M of the slices,
+    and its own slice's mean to the M − 1 others, averaged over the members."""
+    return math.ceil((replicas - 1) * codec.round_bytes(numel, replicas) / replicas)
 
 
 def measure_step_time(trainer: InnerTrainer, shard: Shard, repeats: int = 3) -> float:

@@ -342,7 +342,7 @@ class RoundMachine:
     def _on_delivery(self, sender: str, msg: Part, now: float, out: list[Effect]) -> None:
         if self.phase == Phase.IDLE:
             return  # members send slices only after we joined; stray data is never held (no ACK)
-        if self.vector is not None and len(msg.data) > self.codec.wire_bytes(self.vector.numel()):
+        if self.vector is not None and len(msg.data) > self.codec.bound_bytes(self.vector.numel()):
             return  # larger than our whole vector encoded: never held
         if self.members is None and self.phase == Phase.FORMING:
             self._learn(sender, msg.members, msg.pace, now, out, f"from a delivery of {short(sender)}")
@@ -642,7 +642,7 @@ class RoundMachine:
                 kept = tuple(p for p in peers if p not in self.replayed)  # a replayed slice never counts
                 earlier = tuple(self.earlier_cosines.get(p, ()) for p in kept)
                 inputs = ([self.parts[p] for p in kept], self.sizes[mine], self.aggregation, kept, earlier)
-                out.append(Compute(Job("reduce", inputs)))
+                out.append(Compute(Job("reduce", (*inputs, len(peers)))))  # M: the mean's format
         if self.me in self.results:
             for peer in peers:
                 if peer != self.me:
@@ -651,8 +651,8 @@ class RoundMachine:
             self.jobs_out.add("assemble")
             out.append(Compute(Job("assemble", ([self.results[p] for p in peers], list(self.sizes)))))
             return
-        wire = self.codec.wire_bytes(self.vector.numel()) if self.vector is not None else 0
-        if now >= self.deadlines.allreduce_by(self.adopted_at, 2 * wire):
+        wire = self.codec.round_bytes(self.vector.numel() if self.vector is not None else 0, len(peers))
+        if now >= self.deadlines.allreduce_by(self.adopted_at, wire):
             self._recover(now, out, "the all-reduce timed out")
             return
         missing = [p for p in peers if p not in self.parts or p not in self.results]

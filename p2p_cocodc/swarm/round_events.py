@@ -221,8 +221,8 @@ def run_job(job: Job, codec: Codec) -> Computed:
             vector, parts = job.inputs
             value: object = encode_slices(vector, parts, codec)
         elif job.kind == "reduce":  # (the aggregate's encoding, its Screening)
-            encoded, numel, aggregation, _, earlier = job.inputs  # _: the members of ``encoded``
-            value = reduce_slice(encoded, numel, codec, aggregation, earlier)
+            encoded, numel, aggregation, _, earlier, members = job.inputs  # _: who ``encoded`` is from
+            value = reduce_slice(encoded, numel, codec, aggregation, earlier, members)
         elif job.kind == "assemble":
             means, sizes = job.inputs
             value = assemble(means, sizes, codec)
