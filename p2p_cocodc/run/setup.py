@@ -192,7 +192,9 @@ def save_run(
         "final_val_ppl": last["val_ppl"],
         "evaluated_at_step": last["step"],
         "initial_val_ppl": first["val_ppl"],
-        "data": None if cfg.data is None else str(Path(cfg.data).resolve()),
+        "data": cfg.data
+        if cfg.data is None or cfg.data.startswith("builtin:")
+        else str(Path(cfg.data).resolve()),
         "data_sha256": setup.data_sha256(),
         "options": cfg.computing_options(),
     }
