@@ -68,9 +68,14 @@ def run_name(opts: dict) -> str:
         "dc-rule",
         "dc-alpha",
         "alpha",
+        "codec",
+        "topk",
+        "no-error-feedback",
+        "data",
         "seed",
     ]
-    return "_".join(f"{k.replace('-', '')}{opts[k]}" for k in keys if k in opts)
+    name = "_".join(f"{k.replace('-', '')}{opts[k]}" for k in keys if k in opts)
+    return name.replace(":", "-")
 
 
 def run_sim(opts: dict, runs_dir: Path) -> Path:
@@ -81,7 +86,7 @@ def run_sim(opts: dict, runs_dir: Path) -> Path:
     args = {**COMMON, **opts, "out": str(out)}
     cmd = [sys.executable, "-m", "p2p_cocodc", "simulate", "--quiet", "--force"]  # over an unfinished run's
     for key, value in args.items():
-        cmd += [f"--{key}", str(value)]
+        cmd += [f"--{key}"] if value is True else [f"--{key}", str(value)]  # True: a flag
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:

@@ -329,39 +329,40 @@ def test_strategy_refuses_resending_a_fragment_in_flight() -> None:
 # ---- error feedback ----
 
 
-def test_error_feedback_carries_what_was_not_sent_to_the_next_sync_of_the_fragment() -> None:
+def test_error_feedback_leaves_what_was_not_sent_in_the_replica_for_the_next_sync() -> None:
     codec = get_codec("topk2")
+    settings = replace(SMALL, algo="cocodc", dc_alpha=0.5).algo_settings()
     model = build_model("nano", 256, 32)
-    strategy = make_strategy(model, replace(SMALL, algo="cocodc").algo_settings(), feedback=codec)
-    assert isinstance(strategy, Strategy) and strategy.feedback is not None
+    twin_model = copy.deepcopy(model)
+    strategy = make_strategy(model, settings, feedback=codec)
+    plain = make_strategy(twin_model, settings)  # the same replica without error feedback
+    assert isinstance(strategy, Strategy) and isinstance(plain, Strategy) and strategy.kept_share == 0.5
     _progress(strategy, 0)
+    _progress(plain, 0)
     delta = strategy.outer[1].global_params - strategy.fragments[1].read()
     sent = strategy.payload(1, 1)
-    assert torch.equal(sent, codec.roundtrip(delta))  # e = 0 at first: what the codec keeps of Δ
+    assert torch.equal(sent, codec.roundtrip(delta)) and torch.equal(plain.payload(1, 1), delta)
     assert 0 < int((sent != 0).sum()) <= delta.numel() // 16  # 8 of every 256 values at most
     residual = strategy.in_flight[1].residual
-    assert residual is not None and torch.allclose(sent + residual, delta, atol=1e-7)
-    assert not strategy.feedback.residuals[1].any()  # kept with the sync until it is applied
-    strategy.abandon(1)  # failed: e_p stays, the next Δ_p holds the progress again
-    assert not strategy.feedback.residuals[1].any()
-    again = strategy.payload(1, 2)
-    assert torch.equal(again, sent)
-    strategy.apply(1, torch.zeros_like(again), 3)  # applied: e_p is the residual of that send
-    assert torch.allclose(strategy.feedback.residuals[1], delta - sent, atol=1e-7)
-    # the next send of fragment 1 sends what the codec keeps of Δ + e, and is checkpointed
-    _progress(strategy, 1)
-    carried = strategy.outer[1].global_params - strategy.fragments[1].read() + strategy.feedback.residuals[1]
-    assert torch.equal(strategy.payload(1, 4), codec.roundtrip(carried))
-    saved = strategy.state_dict()
-    assert torch.equal(saved["residuals"][1], strategy.feedback.residuals[1])
-    fresh = make_strategy(
-        build_model("nano", 256, 32), replace(SMALL, algo="cocodc").algo_settings(), feedback=codec
-    )
-    fresh.load_state_dict(copy.deepcopy(saved))
-    assert all(
-        torch.equal(a, b) for a, b in zip(fresh.feedback.residuals, strategy.feedback.residuals, strict=True)
-    )  # type: ignore[attr-defined]
-    assert "residuals" not in strategy.shared_state()  # per replica: a joiner starts from zero
+    assert residual is not None and torch.equal(residual, delta - sent)
+    saved = copy.deepcopy(strategy.state_dict())  # the residual of a sync in flight is checkpointed
+    assert torch.equal(saved["in_flight"][0]["residual"], residual)
+    assert "residual" not in str(strategy.shared_state())  # per replica: a joiner has none
+    strategy.abandon(1)  # failed: nothing changes, the next Δ_p holds everything again
+    assert torch.equal(strategy.payload(1, 2), sent)
+    average = codec.roundtrip(delta * 0.5)
+    strategy.apply(1, average.clone(), 3)
+    plain.apply(1, average.clone(), 3)
+    assert torch.equal(strategy.outer[1].global_params, plain.outer[1].global_params)  # θ̄ alike
+    # the replica keeps (1 − ρ) of what was not sent on top of what the merge keeps (ρ of it)
+    kept = plain.fragments[1].read() - strategy.fragments[1].read()
+    assert torch.allclose(kept, 0.5 * residual, atol=1e-6) and kept.abs().max() > 0
+    # so the next outer gradient holds it: Δ_p = θ̄_p − θ_p
+    after = strategy.outer[1].global_params - strategy.fragments[1].read()
+    assert torch.allclose(after - (plain.outer[1].global_params - plain.fragments[1].read()), kept, atol=1e-6)
+    fresh = make_strategy(build_model("nano", 256, 32), settings, feedback=codec)
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.in_flight[1].residual, residual)  # type: ignore[arg-type]
 
 
 def test_a_lossless_codec_or_error_feedback_off_keeps_no_residual() -> None:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_cocodc.algorithms.codecs import CODECS, Codec, decode_mean, get_codec
+from p2p_cocodc.algorithms.codecs import CODECS, Codec, TopKCodec, decode_mean, get_codec
 from p2p_cocodc.errors import UserError
 
 SIZES = [0, 1, 63, 64, 65, 255, 256, 257, 10_000]
@@ -325,6 +325,36 @@ def test_topk_hostile_indices_rejected(change, error: str) -> None:
     codec = get_codec("topk2", 4 / 256)
     with pytest.raises(UserError, match=error):
         codec.decode(hostile("topk2", change), 300)
+
+
+def test_topk_with_more_than_32_slots_writes_positions_as_a_mask() -> None:
+    codec = TopKCodec("t", 40, 8)
+    assert codec.wire_bytes(256) == 4 + 32 + 40 and TopKCodec("t", 32, 8).wire_bytes(256) == 4 + 32 + 32
+    x = torch.zeros(300)
+    x[[3, 9, 255, 299]] = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    payload = codec.encode(x)
+    mask = payload[8 : 8 + 32]
+    assert mask[0] == 1 << 3 and mask[1] == 1 << 1 and mask[31] == 1 << 7 and sum(mask) == 8 + 2 + 128
+    assert torch.equal(codec.decode(payload, 300) != 0, x != 0)
+    assert torch.equal(roundtrip(codec, x)[[9, 299]], torch.tensor([-2.0, 4.0]))
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (lambda b: b.__setitem__(slice(8, 40), b"\xff" * 32), "more than 40 positions"),
+        (lambda b: b.__setitem__(slice(8, 9), b"\x00"), "beyond its mask's positions must be 0"),
+        (lambda b: b.__setitem__(slice(40 + 31, 40 + 32), b"\x80"), "beyond the 300 values"),
+    ],
+)
+def test_topk_hostile_masks_rejected(change, error: str) -> None:
+    codec = TopKCodec("t", 40, 8)
+    x = torch.zeros(300)
+    x[[3, 9, 255, 299]] = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    payload = bytearray(codec.encode(x))
+    change(payload)
+    with pytest.raises(UserError, match=error):
+        codec.decode(bytes(payload), 300)
 
 
 def test_topk_mean_codec_keeps_the_union_of_what_members_sent() -> None:

@@ -29,11 +29,11 @@ are assumed little-endian, as x86 and ARM are), for a flat vector of ``n`` float
           ``m = round(|x|/s·L − 1)`` clamped to [0, L−1]; value ``±s·(m+1)/L``, so a selected
           value never decodes to zero. Bytes: 4·nc + nc·k + ceil(nc·k·b/8).
 
-Lossy codecs pair with error feedback (``ErrorFeedback``): what a replica did not send of a
-fragment's outer gradient is added to its next one. A top-k codec's averages are denser than what
-each member sent: the owner of a butterfly slice encodes its aggregate with ``mean_codec(M)``, the
-same chunked format with min(C, M·k) slots and 8-bit values, which keeps every coordinate some
-member sent (the union of M selections) and quantizes only the values.
+Lossy codecs pair with error feedback (``strategies.Strategy.outer_gradient``): what a replica
+did not send of a fragment's outer gradient is added to its next one. A top-k codec's averages are
+denser than what each member sent: the owner of a butterfly slice encodes its aggregate with
+``mean_codec(M)``, the same chunked format with min(C, M·k) slots and 8-bit values, which keeps
+every coordinate some member sent (the union of M selections) and quantizes only the values.
 
 Decoded values are already on the codec's grid, so decode→encode→decode returns the same tensor.
 ``decode`` takes payloads from untrusted peers: it checks the length against the ``numel`` the
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import CODEC_NAMES
 
-__all__ = ["CODECS", "Codec", "ErrorFeedback", "TopKCodec", "decode_mean", "get_codec", "mean_in_order"]
+__all__ = ["CODECS", "Codec", "TopKCodec", "decode_mean", "get_codec", "mean_in_order"]
 
 DEFAULT_TOPK = 1 / 32  # a top-k codec's share of each chunk when --topk is not given: 8 of 256
 
@@ -278,6 +278,8 @@ class TopKCodec(Codec):
             raise ValueError(f"top-k needs 2, 4 or 8 bits and 1..{self.block} slots, got {bits}, {slots}")
         self.name, self.slots, self.bits = name, slots, bits
         self.levels = 2 ** (bits - 1)
+        self.mask = 8 * slots > self.block  # positions as a 256-bit mask: fewer bytes than indices
+        self.position_bytes = self.block // 8 if self.mask else slots
 
     def mean_codec(self, members: int) -> Codec:
         if members < 1:
@@ -288,8 +290,8 @@ class TopKCodec(Codec):
         return max(self.wire_bytes(numel), self.mean_codec(self.block).wire_bytes(numel))
 
     def _wire_bytes(self, numel: int) -> int:
-        slots = -(-numel // self.block) * self.slots
-        return 4 * (slots // self.slots) + slots + -(-slots * self.bits // 8)
+        chunks = -(-numel // self.block)
+        return chunks * (4 + self.position_bytes) + -(-chunks * self.slots * self.bits // 8)
 
     def _encode(self, x: torch.Tensor) -> bytes:
         xb = _blocks(x, self.block)
@@ -304,7 +306,12 @@ class TopKCodec(Codec):
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
         m = (value.abs() / divisor * self.levels - 1).round_().clamp_(0, self.levels - 1).to(torch.uint8)
         codes = torch.where(used, m | ((value < 0).to(torch.uint8) << (self.bits - 1)), 0)
-        return _to_bytes(scales, index.to(torch.uint8).reshape(-1), self._pack(codes.reshape(-1)))
+        if self.mask:  # bit j of byte i: position 8i + j (an unused slot's repeated index adds 0)
+            bits = torch.zeros_like(xb, dtype=torch.uint8).scatter_add_(1, index, used.to(torch.uint8))
+            positions = (bits.view(-1, self.block // 8, 8) << torch.arange(8, dtype=torch.uint8)).sum(2)
+        else:
+            positions = index
+        return _to_bytes(scales, positions.to(torch.uint8).reshape(-1), self._pack(codes.reshape(-1)))
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
         per = 8 // self.bits
@@ -319,13 +326,48 @@ class TopKCodec(Codec):
         count = chunks * self.slots
         scales = buf[: 4 * chunks].view(torch.float32)
         _check_scales(self.name, scales)
-        index = buf[4 * chunks : 4 * chunks + count].view(chunks, self.slots).long()
-        packed = buf[4 * chunks + count :]
+        end = 4 * chunks + chunks * self.position_bytes
+        positions = buf[4 * chunks : end].view(chunks, self.position_bytes)
         per = 8 // self.bits
         shifts = torch.arange(per, dtype=torch.uint8) * self.bits
         codes = (
-            ((packed[:, None] >> shifts) & (2**self.bits - 1)).reshape(-1)[:count].view(chunks, self.slots)
+            ((buf[end:, None] >> shifts) & (2**self.bits - 1)).reshape(-1)[:count].view(chunks, self.slots)
         )
+        if self.mask:
+            index, used = self._from_mask(positions, codes, numel)
+        else:
+            index, used = self._from_indices(positions.long(), codes, numel)
+        half = self.levels
+        magnitude = ((codes & (half - 1)).float() + 1) / half * scales[:, None]
+        value = torch.where(codes >= half, -magnitude, magnitude)
+        out = torch.zeros(chunks, self.block)
+        out.scatter_add_(1, index, torch.where(used, value, 0.0))  # unused slots add +0
+        return out.view(-1)[:numel].clone() if numel % self.block else out.view(-1)
+
+    def _from_mask(
+        self, mask: torch.Tensor, codes: torch.Tensor, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index, used) per slot from a chunk's 256-bit mask: the set positions ascending, then
+        unused slots (code 0) at the last of them."""
+        chunks = mask.shape[0]
+        bits = ((mask[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(chunks, self.block).bool()
+        count = bits.sum(1)
+        if bool((count > self.slots).any()):
+            raise UserError(f"{self.name}: a chunk's mask has more than {self.slots} positions")
+        used = torch.arange(self.slots)[None, :] < count[:, None]
+        if bool((codes[~used] != 0).any()):
+            raise UserError(f"{self.name}: a chunk's codes beyond its mask's positions must be 0")
+        if numel % self.block and bool(bits[-1, numel % self.block :].any()):
+            raise UserError(f"{self.name}: a position points beyond the {numel} values")
+        # the k-th set position of each chunk, by a stable sort of the unset ones behind the set ones
+        order = torch.argsort((~bits).to(torch.uint8), dim=1, stable=True)[:, : self.slots]
+        return torch.where(used, order, 0), used
+
+    def _from_indices(
+        self, index: torch.Tensor, codes: torch.Tensor, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index, used) per slot from a chunk's ascending indices (see the module docstring)."""
+        chunks = index.shape[0]
         step = index.diff(dim=1)
         if bool((step < 0).any()):
             raise UserError(
@@ -337,12 +379,7 @@ class TopKCodec(Codec):
         beyond = used & (index + torch.arange(chunks)[:, None] * self.block >= numel)
         if bool(beyond.any()):
             raise UserError(f"{self.name}: an index points beyond the {numel} values")
-        half = self.levels
-        magnitude = ((codes & (half - 1)).float() + 1) / half * scales[:, None]
-        value = torch.where(codes >= half, -magnitude, magnitude)
-        out = torch.zeros(chunks, self.block)
-        out.scatter_add_(1, index, torch.where(used, value, 0.0))  # unused slots add +0
-        return out.view(-1)[:numel].clone() if numel % self.block else out.view(-1)
+        return index, used
 
 
 def _topk_slots(fraction: float) -> int:
@@ -380,33 +417,6 @@ def get_codec(name: str, topk: float = DEFAULT_TOPK) -> Codec:
         return CODECS[name]
     except (KeyError, TypeError):
         raise UserError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}") from None
-
-
-class ErrorFeedback:
-    """Error feedback for one replica's fragments (Seide et al. 2014; Karimireddy et al. 2019, EF-SGD;
-    SparseLoCo): with e_p the residual of fragment p (0 at the start),
-
-        v = Δ_p + e_p,   sent = C(v)   (what every receiver decodes),   e_p ← v − sent,
-
-    so a coordinate the codec drops or rounds is carried to the fragment's next sync instead of
-    lost. ``compress`` returns ``sent`` and the new residual without keeping it: the replica keeps
-    it with the sync in flight and ``commit``s it when the sync's result is applied; a sync that
-    fails leaves e_p as it was (Δ_p of the next send still holds the progress that was not
-    averaged, so carrying its residual would count it twice). Residuals are per replica, not
-    shared: a joiner starts from zero."""
-
-    def __init__(self, codec: Codec, sizes: Sequence[int]) -> None:
-        self.codec = codec
-        self.residuals = [torch.zeros(n) for n in sizes]
-
-    def compress(self, p: int, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sent, the residual after it) for fragment p's outer gradient ``delta`` (CPU fp32)."""
-        carried = delta + self.residuals[p]
-        sent = self.codec.roundtrip(carried)
-        return sent, carried.sub_(sent)
-
-    def commit(self, p: int, residual: torch.Tensor) -> None:
-        self.residuals[p] = residual
 
 
 def decode_mean(payloads: Sequence[bytes], codec: Codec, numel: int) -> torch.Tensor:

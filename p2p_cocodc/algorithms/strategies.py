@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2p_cocodc.algorithms.codecs import Codec, ErrorFeedback
+from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_per_tensor
 from p2p_cocodc.algorithms.devices import DeviceCopy, Placement
 from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
@@ -106,7 +106,7 @@ class PendingSync:
     snapshot: torch.Tensor
     sent_step: int
     due_step: int
-    residual: torch.Tensor | None = None  # error feedback's residual after this send, kept if applied
+    residual: torch.Tensor | None = None  # error feedback: Δ_p − what was sent of it (CPU), once computed
 
 
 @dataclass
@@ -187,8 +187,8 @@ class Strategy(ReplicaStrategy):
         self.placement = placement or Placement()
         self.outer = [OuterOptimizer(f.read(), outer) for f in fragments]
         self.in_flight: dict[int, PendingSync] = {}
-        # error feedback for a lossy codec: what is sent of Δ_p is what the codec keeps of Δ_p + e_p
-        self.feedback = ErrorFeedback(feedback, [f.numel for f in fragments]) if feedback else None
+        self.feedback = feedback  # the lossy codec whose error the replica keeps (``outer_gradient``)
+        self.kept_share = 0.0  # ρ: the share of its deviation from θ̄_p the merge leaves in the replica
 
     def sends_after(self, step: int) -> list[int]:
         return self.schedule.select(step, self.in_flight.keys())
@@ -215,12 +215,20 @@ class Strategy(ReplicaStrategy):
     def outer_gradient(self, p: int, snapshot: torch.Tensor) -> torch.Tensor:
         """Δ_p = θ̄_p − θ_p on the CPU, from a host copy of the snapshot ``send`` returned (θ̄_p does
         not move while p is in flight, so this may run after the send, and again with the same
-        result). With error feedback, what the codec keeps of Δ_p + e_p instead (``ErrorFeedback``:
-        the new residual is kept with the sync, and becomes e_p when its result is applied)."""
+        result).
+
+        With error feedback (a lossy codec C): what is sent is C(Δ_p), and e_p = Δ_p − C(Δ_p), what
+        the codec left out, stays in the replica: ``apply`` merges as without it, then
+        θ_p ← θ_p − (1 − ρ)·e_p, where ρ is the share of the replica's deviation from θ̄_p that the
+        merge itself keeps (diloco 0, streaming α, cocodc --dc-alpha). The replica is then e_p
+        further from θ̄_p than the merge alone leaves it, so the next Δ_p = θ̄_p − θ_p holds e_p
+        and the codec's error is sent later instead of lost, while the replica trains on from its
+        own progress. A sync that fails changes nothing: Δ_p still holds everything."""
         delta = self.outer[p].global_params - snapshot
         if self.feedback is None:
             return delta
-        sent, self.in_flight[p].residual = self.feedback.compress(p, delta)
+        sent = self.feedback.roundtrip(delta)
+        self.in_flight[p].residual = delta.sub_(sent)
         return sent
 
     def due(self, step: int) -> list[int]:
@@ -249,17 +257,18 @@ class Strategy(ReplicaStrategy):
         elif averaged.changes != self.outer[p].changes:  # θ̄_p changed, or was peeked, since: again
             averaged = self.prepare(p, averaged.averaged)
         pending = self.in_flight.pop(p)
-        if self.feedback is not None and pending.residual is not None:  # None: a sync this replica took over
-            self.feedback.commit(p, pending.residual)
         self.outer[p].take(averaged.outer)
         fragment = self.fragments[p]
-        fragment.write(self.merge(fragment, averaged.on_device.get(), pending, step))
+        merged = self.merge(fragment, averaged.on_device.get(), pending, step)
+        if pending.residual is not None:  # None: no error feedback, or a sync this replica took over
+            merged = merged.sub(pending.residual.to(merged.device), alpha=1.0 - self.kept_share)  # may be θ̄
+        fragment.write(merged)
         self.schedule.record_result(p, averaged.rms)
         if spacing:
             self.schedule.set_spacing(spacing)
 
     def abandon(self, p: int) -> None:
-        """The sync of fragment p failed: θ̄_p, the replica and e_p stay as they are, p may be sent again.
+        """The sync of fragment p failed: θ̄_p and the replica stay as they are, p may be sent again.
 
         Consistent across replicas as long as every replica abandons the same syncs."""
         self.in_flight.pop(p)
@@ -281,8 +290,8 @@ class Strategy(ReplicaStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this object adds to the replica, to resume bit-exactly: ``shared_state()``
-        with each sync in flight's snapshot added, and with error feedback each fragment's residual
-        e_p (``"residuals"``) and each sync in flight's residual after its send once computed. The
+        with each sync in flight's snapshot added, and with error feedback its residual e_p once
+        computed. The
         replica's own parameters belong to its InnerTrainer, and the averaged results a driver holds
         for the syncs in flight belong to the driver. Tensors are the live ones, not copies."""
         state = self.shared_state()
@@ -290,8 +299,6 @@ class Strategy(ReplicaStrategy):
             sync["snapshot"] = pending.snapshot
             if pending.residual is not None:
                 sync["residual"] = pending.residual
-        if self.feedback is not None:
-            state["residuals"] = self.feedback.residuals
         return state
 
     def shared_state(self) -> dict[str, Any]:
@@ -320,18 +327,13 @@ class Strategy(ReplicaStrategy):
             return saved.to(self.placement.device, copy=True)
 
         self._load_shared(state, saved_snapshot)
-        if self.feedback is None:
-            return
-        saved = state.get("residuals") or [torch.zeros_like(r) for r in self.feedback.residuals]
-        if len(saved) != len(self.feedback.residuals):  # none: a checkpoint of a run without it, e = 0
-            raise ValueError(f"the state has {len(saved)} residuals, this strategy {len(self.outer)}")
-        for p, (residual, like) in enumerate(zip(saved, self.feedback.residuals, strict=True)):
-            self.feedback.commit(p, expect_tensor(residual, like, f"residual of fragment {p}").clone())
         for sync in state["in_flight"]:
-            if sync.get("residual") is not None:
-                like = self.feedback.residuals[sync["fragment"]]
-                residual = expect_tensor(sync["residual"], like, f"residual of fragment {sync['fragment']}")
-                self.in_flight[sync["fragment"]].residual = residual.clone()
+            if self.feedback is not None and sync.get("residual") is not None:
+                p = sync["fragment"]
+                residual = expect_tensor(
+                    sync["residual"], self.outer[p].global_params, f"residual of fragment {p}"
+                )
+                self.in_flight[p].residual = residual.clone()
 
     def join_from(self, shared: dict[str, Any]) -> None:
         """Become a replica that joins the run after step S, given a ``shared_state()`` taken then.
@@ -384,7 +386,7 @@ class Streaming(Strategy):
     ) -> None:
         schedule = FixedSchedule(settings.inner_steps, len(fragments))
         super().__init__(model, fragments, schedule, settings.overlap, settings.outer, placement, feedback)
-        self.alpha = settings.alpha
+        self.alpha = self.kept_share = settings.alpha
 
     def merge(
         self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int
@@ -411,6 +413,7 @@ class CoCoDC(Strategy):
             model, fragments, self.schedule, settings.overlap, settings.outer, placement, feedback
         )
         self.settings = settings
+        self.kept_share = settings.dc_alpha
         self.decay_between = decay_between
         if settings.dc_wd_debias and decay_between is None:
             raise ValueError("weight-decay debias needs the inner LR schedule (decay_between)")
