@@ -42,6 +42,7 @@ BASE = TrainConfig(
     # the cocodc rule the traces were recorded with (the defaults until the damped rule replaced them)
     dc_lambda=0.5,
     dc_alpha=0.0,
+    codec="fp32",  # the default until fp4 replaced it; the cases below name theirs
 )
 CASES = {
     "ddp": {"algo": "ddp", "overlap": 0},

@@ -217,7 +217,7 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     click.echo(
         f"{cfg.algo}: {cfg.workers} workers, {sim.num_params / 1e6:.2f} M params, T={cfg.steps} "
         f"H={cfg.inner_steps} K={cfg.fragments} τ={sim.settings.overlap} "
-        f"N={sim.settings.transmissions} codec={cfg.codec}{resumed}",
+        f"N={sim.settings.transmissions} codec={cfg.wire_codec}{resumed}",
         err=True,
     )
     writer = None

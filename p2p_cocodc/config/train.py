@@ -18,9 +18,11 @@ from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import (
     AGGREGATES,
     ALGORITHMS,
+    AVERAGE_GRADIENTS,
     CODEC_NAMES,
     COMPILE_BACKENDS,
     DC_RULES,
+    DEFAULT_CODEC,
     LOG_SINKS,
     PRECISIONS,
     TOKENIZERS,
@@ -79,7 +81,12 @@ class TrainConfig:
     outer_momentum: float = opt(0.9, "outer Nesterov momentum μ")
     gap_penalty: float = opt(1.0, "CO2 staleness gap penalty Λ: outer gradient divided by Λ")
     momentum_clip: float | None = opt(None, "CO2 outer-momentum clipping φ", shown="off")
-    codec: str = opt("fp32", "wire format of exchanged outer gradients", CODEC_NAMES)
+    codec: str | None = opt(
+        None,
+        "wire format of exchanged outer gradients (the default chosen on held-out data: docs/codecs.md)",
+        CODEC_NAMES,
+        shown=f"{DEFAULT_CODEC}; ddp: fp32",
+    )
     topk: float = opt(
         1 / 32, "topk2/topk4: the share of each chunk of 256 values a replica sends (rounded, at least 1)"
     )
@@ -277,9 +284,9 @@ class TrainConfig:
         check_sync(self.algo, self.inner_steps, self.fragments, self.overlap, self.transmissions)
         if not 0 < self.topk <= 1:
             raise UserError(f"--topk must be a fraction in (0, 1], got {self.topk}")
-        if self.topk != FIELDS["topk"].default and not self.codec.startswith("topk"):
-            raise UserError(f"--topk applies to the topk2 and topk4 codecs, not --codec {self.codec}")
-        if self.algo == "ddp" and self.codec.startswith("topk"):
+        if self.topk != FIELDS["topk"].default and not self.wire_codec.startswith("topk"):
+            raise UserError(f"--topk applies to the topk2 and topk4 codecs, not --codec {self.wire_codec}")
+        if self.algo == "ddp" and self.wire_codec.startswith("topk"):
             raise UserError(
                 f"--codec {self.codec} drops most values and needs error feedback, which ddp's gradient "
                 "average does not keep: use fp32, bf16, int8 or fp4 with ddp"
@@ -297,6 +304,15 @@ class TrainConfig:
             transmissions=1 if self.transmissions == AUTO else None,
         )
         return self
+
+    @property
+    def wire_codec(self) -> str:
+        """--codec, or the default: fp4 with error feedback for outer gradients (chosen on
+        sotu-before-1900, judged on sotu-from-1900 and web-bible: docs/codecs.md), fp32 for ddp's
+        gradients, which keep no error feedback."""
+        if self.codec is not None:
+            return self.codec
+        return "fp32" if self.algo in AVERAGE_GRADIENTS else DEFAULT_CODEC
 
     @property
     def data_shards(self) -> int:

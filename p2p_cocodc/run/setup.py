@@ -53,7 +53,7 @@ class TrainingSetup:
         self.base = build_model(cfg.model, self.tokens.vocab_size, cfg.seq_len)
         self.num_params = count_parameters(self.base)
         self.inner = cfg.inner_settings()
-        self.codec: Codec = get_codec(cfg.codec, cfg.topk)
+        self.codec: Codec = get_codec(cfg.wire_codec, cfg.topk)
         self.val_batches = validation_batches(self.tokens.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
 
     def data_sha256(self) -> str:
