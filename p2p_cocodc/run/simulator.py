@@ -4,7 +4,8 @@ virtual clock that says what the run would cost over a WAN.
 Clock model: every replica computes in parallel, one inner step costs ``step_time`` seconds. A
 fragment sync is a butterfly all-reduce: each replica owns 1/M of the fragment, receives the others'
 encoded slices, averages in fp32 and sends its encoded average back, so a replica's link carries
-2(M−1)/M of the encoded fragment and lossy codecs quantize twice. Transfer time = latency +
+(M−1)/M of the encoded fragment and of its encoded average (``Codec.round_bytes``: 2(M−1)/M of the
+fragment for a dense codec) and lossy codecs quantize twice. Transfer time = latency +
 bytes / bandwidth; transfers on a link are serialised. A result that is not back when due stalls
 training (DiLoCo and DDP are due at once, so they always stall for the whole transfer).
 
