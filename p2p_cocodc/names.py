@@ -12,6 +12,10 @@ CODEC_NAMES = ("fp32", "bf16", "int8", "fp4", "topk2", "topk4")
 # the codec of outer gradients when --codec is not given: the fewest bytes at most 1 % above fp32's
 # perplexity, chosen on sotu-before-1900 and judged on sotu-from-1900 and web-bible (docs/codecs.md)
 DEFAULT_CODEC = "fp4"
+# a top-k codec's share of each chunk of 256 values when --topk is not given: of the shares measured
+# on sotu-before-1900 (1/4, 1/8, 1/32), the one that sends fewer bytes than fp4 without falling far
+# behind it (1/32: +81 % perplexity; docs/codecs.md)
+DEFAULT_TOPK = 1 / 8
 # how the owner of a butterfly slice combines its members' slices (algorithms/aggregation.py)
 AGGREGATES = ("mean", "trimmed-mean", "centered-clip")
 TOKENIZERS = ("bpe4096", "byte")

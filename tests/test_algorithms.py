@@ -343,7 +343,7 @@ def test_error_feedback_leaves_what_was_not_sent_in_the_replica_for_the_next_syn
     delta = strategy.outer[1].global_params - strategy.fragments[1].read()
     sent = strategy.payload(1, 1)
     assert torch.equal(sent, codec.roundtrip(delta)) and torch.equal(plain.payload(1, 1), delta)
-    assert 0 < int((sent != 0).sum()) <= delta.numel() // 16  # 8 of every 256 values at most
+    assert 0 < int((sent != 0).sum()) <= delta.numel() // 8 + 32  # 32 of every 256 values at most
     residual = strategy.in_flight[1].residual
     assert residual is not None and torch.equal(residual, delta - sent)
     saved = copy.deepcopy(strategy.state_dict())  # the residual of a sync in flight is checkpointed

@@ -57,7 +57,7 @@ CASES = {
         "outer_lr": 0.4,
         "error_feedback": False,
     },
-    "cocodc-topk2": {"algo": "cocodc", "codec": "topk2"},  # 8 of 256 values at 2 bits, error feedback
+    "cocodc-topk2": {"algo": "cocodc", "codec": "topk2"},  # 32 of 256 values at 2 bits, error feedback
     "cocodc-step": {"algo": "cocodc", "dc_rule": "step", "dc_wd_debias": True},
 }
 

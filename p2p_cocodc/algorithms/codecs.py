@@ -18,7 +18,7 @@ are assumed little-endian, as x86 and ARM are), for a flat vector of ``n`` float
           below ``s·2^-6.5`` become zero. Value = ``±s·2^-e``. Bytes: 4·nb + ceil(n/2).
 ``topk2`` ``topk4``  SparseLoCo-style chunked top-k with b = 2 or 4 bits per value: chunks of
           ``C = 256`` values, ``nc = ceil(n/C)``, ``k`` slots per chunk (``--topk``: a fraction
-          of C, rounded, at least 1). ``nc`` float32 scales ``s = absmax`` of the chunk, then
+          of C, rounded, at least 1; default 1/8). ``nc`` float32 scales ``s = absmax`` of the chunk, then
           ``nc·k`` uint8 indices (chunk by chunk), then ``nc·k`` b-bit codes packed low bits
           first, ``8/b`` per byte, the last byte zero-padded. A chunk's selection is its k largest
           |x| (``torch.topk``) among its nonzero values; its indices are written ascending, and
@@ -50,11 +50,9 @@ import torch
 import torch.nn.functional as F
 
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.names import CODEC_NAMES
+from p2p_cocodc.names import CODEC_NAMES, DEFAULT_TOPK
 
 __all__ = ["CODECS", "Codec", "TopKCodec", "decode_mean", "get_codec", "mean_in_order"]
-
-DEFAULT_TOPK = 1 / 32  # a top-k codec's share of each chunk when --topk is not given: 8 of 256
 
 
 class Codec(ABC):
@@ -268,8 +266,8 @@ class Fp4Codec(Codec):
 
 
 class TopKCodec(Codec):
-    """Chunked top-k with low-bit values (see the module docstring): with k = 8 of 256 and 2 bits,
-    73x smaller than fp32; what it leaves out is error feedback's to carry."""
+    """Chunked top-k with low-bit values (see the module docstring): with k = 32 of 256 and 2 bits,
+    23x smaller than fp32; what it leaves out is error feedback's to carry."""
 
     block = 256  # the chunk C: indices fit a byte, and slices cut on chunk edges encode like the whole
 

@@ -23,6 +23,7 @@ from p2p_cocodc.names import (
     COMPILE_BACKENDS,
     DC_RULES,
     DEFAULT_CODEC,
+    DEFAULT_TOPK,
     LOG_SINKS,
     PRECISIONS,
     TOKENIZERS,
@@ -88,7 +89,8 @@ class TrainConfig:
         shown=f"{DEFAULT_CODEC}; ddp: fp32",
     )
     topk: float = opt(
-        1 / 32, "topk2/topk4: the share of each chunk of 256 values a replica sends (rounded, at least 1)"
+        DEFAULT_TOPK,
+        "topk2/topk4: the share of each chunk of 256 values a replica sends (rounded, at least 1)",
     )
     error_feedback: bool = opt(
         True, "a lossy codec's rounding and dropped values are added to the fragment's next outer gradient"
