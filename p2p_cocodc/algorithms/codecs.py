@@ -27,7 +27,9 @@ are assumed little-endian, as x86 and ARM are), for a flat vector of ``n`` float
           its index is greater than slot i−1's; indices never decrease, and a used slot never
           follows an unused one. Code = ``sign << (b−1) | m``, ``L = 2^(b−1)`` magnitude levels,
           ``m = round(|x|/s·L − 1)`` clamped to [0, L−1]; value ``±s·(m+1)/L``, so a selected
-          value never decodes to zero. Bytes: 4·nc + nc·k + ceil(nc·k·b/8).
+          value never decodes to zero. Bytes: 4·nc + nc·k + ceil(nc·k·b/8). With k > 32 the
+          indices of a chunk are instead a 256-bit mask (32 bytes; bit j of byte i: position
+          8i + j), its set positions ascending taking the first slots and unused slots code 0.
 
 Lossy codecs pair with error feedback (``strategies.Strategy.outer_gradient``): what a replica
 did not send of a fragment's outer gradient is added to its next one. A top-k codec's averages are

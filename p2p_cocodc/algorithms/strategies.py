@@ -291,9 +291,9 @@ class Strategy(ReplicaStrategy):
     def state_dict(self) -> dict[str, Any]:
         """Everything this object adds to the replica, to resume bit-exactly: ``shared_state()``
         with each sync in flight's snapshot added, and with error feedback its residual e_p once
-        computed. The
-        replica's own parameters belong to its InnerTrainer, and the averaged results a driver holds
-        for the syncs in flight belong to the driver. Tensors are the live ones, not copies."""
+        computed. The replica's own parameters belong to its InnerTrainer, and the averaged results a
+        driver holds for the syncs in flight belong to the driver. Tensors are the live ones, not
+        copies."""
         state = self.shared_state()
         for sync, pending in zip(state["in_flight"], self.in_flight.values(), strict=True):
             sync["snapshot"] = pending.snapshot
