@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -379,6 +380,19 @@ def test_inner_settings() -> None:
 
 
 # ---- derived values: τ and N (config/derived.py) ----
+
+
+def test_a_transfer_longer_than_h_steps_is_an_error_but_on_a_paced_link() -> None:
+    """2 Mbit/s, 1 MB per sync, 0.1 s steps: 40 steps to hide a transfer against H = 24. The
+    simulator (and a streaming peer) says what to change; a cocodc peer, whose swarm widens its send
+    pace to what the link carries, takes τ = H − 1 and trains."""
+    from p2p_cocodc.config.derived import Link, sync_shape
+
+    slow = Link([1_000_000], 0.0, 2e6, 0.1)
+    with pytest.raises(UserError, match="a fragment transfer takes 4.00 s = 40 inner steps"):
+        sync_shape("cocodc", 24, 2, AUTO, AUTO, slow)
+    assert sync_shape("cocodc", 24, 2, AUTO, AUTO, replace(slow, paced=True)) == (23, 1)
+    assert sync_shape("cocodc", 24, 2, AUTO, 2, replace(slow, paced=True, step_time=1.0)) == (4, 2)
 
 
 def test_sync_shape_defaults() -> None:

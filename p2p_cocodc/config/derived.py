@@ -28,6 +28,7 @@ class Link:
     latency_s: float
     bandwidth_bps: float
     step_time: float
+    paced: bool = False  # a cocodc peer, whose sends the swarm spaces out when the link lags behind
 
 
 def sync_shape(
@@ -40,13 +41,17 @@ def sync_shape(
 ) -> tuple[int, int]:
     """(τ, N) as the core gets them: the numbers given, each algorithm's defaults for None, and for
     'auto' the smallest τ that hides the slowest transfer and the most sends per H steps the link
-    carries (``link``: what they are worked out from; ValueError without it)."""
+    carries (``link``: what they are worked out from; ValueError without it). A transfer longer
+    than H − 1 steps is a UserError, but on a paced link (a cocodc peer: the swarm widens its send
+    pace to what the link carries), where τ becomes H − 1."""
     if AUTO in (overlap, transmissions):
         if link is None:
             raise ValueError("'auto' is worked out from the link and the step time: pass link")
         times = [link.latency_s + 8.0 * w / link.bandwidth_bps for w in link.wire_bytes]
         if overlap == AUTO:
             overlap = math.ceil(max(times) / link.step_time - 1e-9)
+            if overlap >= inner_steps and link.paced:  # the most it can hide; the pace does the rest
+                overlap = inner_steps - 1
             if overlap >= inner_steps:
                 raise UserError(
                     f"--overlap auto: a fragment transfer takes {max(times):.2f} s = {overlap} inner "

@@ -152,7 +152,8 @@ class Peer:
         self.metrics = metrics if metrics is not None else PeerMetrics()  # served with --metrics-port
         self.setup = TrainingSetup(cfg, region.placement if region is not None else None)
         step_time = self.setup.step_time() if self.setup.needs_step_time() else cfg.step_time
-        self.settings = self.setup.settings(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6, step_time)
+        link = (cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6, step_time)
+        self.settings = self.setup.settings(*link, paced=cfg.algo == "cocodc")  # its pace takes the rest
         shared = shared_options(self.setup, self.settings)
         self.fingerprint = fingerprint(shared)
         self.options = option_view(shared)  # published, so a mismatched peer can say what differs

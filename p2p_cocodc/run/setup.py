@@ -102,9 +102,12 @@ class TrainingSetup:
         trainer = InnerTrainer(self.eval_model(), self.inner, self.placement)
         return measure_step_time(trainer, self.shard(0, self.cfg.data_shards))
 
-    def settings(self, latency_s: float, bandwidth_bps: float, step_time: float | None) -> AlgoSettings:
+    def settings(
+        self, latency_s: float, bandwidth_bps: float, step_time: float | None, paced: bool = False
+    ) -> AlgoSettings:
         """The core's settings, with --overlap auto / --transmissions auto turned into numbers
-        from the link and the step time (which auto needs)."""
+        from the link and the step time (which auto needs); ``paced``: a peer whose swarm widens
+        the send pace, where a transfer longer than H steps makes τ = H − 1 instead of an error."""
         cfg = self.cfg
         if not self.needs_step_time():
             return cfg.algo_settings()
@@ -114,7 +117,7 @@ class TrainingSetup:
         else:
             sizes = [self.num_params]
         wire = [allreduce_wire_bytes(self.codec, n, cfg.workers) for n in sizes]
-        return cfg.algo_settings(link=Link(wire, latency_s, bandwidth_bps, step_time))
+        return cfg.algo_settings(link=Link(wire, latency_s, bandwidth_bps, step_time, paced))
 
     def eval_record(
         self, model: nn.Module, global_state: dict[str, torch.Tensor], step: int, replicas: int
