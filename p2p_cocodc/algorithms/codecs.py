@@ -295,8 +295,9 @@ class TopKCodec(Codec):
 
     def _encode(self, x: torch.Tensor) -> bytes:
         xb = _blocks(x, self.block)
-        scales = xb.abs().amax(dim=1)
-        magnitude, index = xb.abs().topk(self.slots, dim=1)
+        absolute = xb.abs()
+        scales = absolute.amax(dim=1)
+        magnitude, index = absolute.topk(self.slots, dim=1)
         used = magnitude > 0
         # used slots first, by index; unused after them (their order is irrelevant: they are refilled)
         order = torch.where(used, index, index + self.block).argsort(dim=1)
