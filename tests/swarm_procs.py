@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +27,18 @@ REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 now: all are held at once while they are picked, so
+    two of them are never the same port (one at a time, the kernel may hand out a port twice)."""
+    with ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def records(path: Path) -> list[dict]:
@@ -197,7 +205,7 @@ def start_bootstrap(
     ports: tuple[int, int] | None = None,
 ) -> Bootstrap:
     """``ports``: its libp2p and status ports (default: free ones)."""
-    port, status_port = ports or (free_port(), free_port())
+    port, status_port = ports or free_ports(2)
     proc = spawn(
         [
             "bootstrap",

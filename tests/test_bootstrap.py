@@ -27,15 +27,9 @@ import pytest
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.swarm.dht import p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.records import Board, PeerRecord
-from tests.swarm_procs import end_group, wait_for
+from tests.swarm_procs import end_group, free_port, free_ports, wait_for
 
 START_DEADLINE_S = 60.0
-
-
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bootstrap_cmd(*args: Any) -> list[str]:
@@ -121,7 +115,7 @@ class Bootstrap:
 @pytest.fixture(scope="module")
 def boot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bootstrap]:
     """One bootstrap shared by the tests below; the last test stops and restarts it."""
-    b = Bootstrap(tmp_path_factory.mktemp("boot"), free_port(), free_port())
+    b = Bootstrap(tmp_path_factory.mktemp("boot"), *free_ports(2))
     try:
         b.start()
         yield b
@@ -295,10 +289,10 @@ def test_the_bootstrap_keeps_its_files_in_its_state_folder_not_where_it_is_start
     directory; it says where, and prints its status page, not the page's JSON."""
     here, state = tmp_path / "here", tmp_path / "xdg" / "p2p-cocodc"
     here.mkdir()
-    status_port = free_port()
+    port, status_port = free_ports(2)
     with open(tmp_path / "out.txt", "wb") as out:
         proc = subprocess.Popen(
-            bootstrap_cmd("--port", free_port(), "--status-port", status_port),
+            bootstrap_cmd("--port", port, "--status-port", status_port),
             cwd=here,
             env={**env(), "XDG_STATE_HOME": str(tmp_path / "xdg")},
             stdout=out,

@@ -31,7 +31,7 @@ from tests.swarm_procs import (
     CLI,
     ENV,
     end_group,
-    free_port,
+    free_ports,
     records,
     run_cli,
     spawn,
@@ -94,7 +94,7 @@ def test_a_peer_and_the_bootstrap_serve_what_the_run_records(tmp_path: Path) -> 
     """Two peers and a bootstrap, each with --metrics-port: one peer from the command line, the other
     in this process (its endpoint is read once its run has ended). Its metrics equal its summary;
     the bootstrap's show both peers by region, as the board says."""
-    boot_port, partner_port = free_port(), free_port()
+    boot_port, partner_port = free_ports(2)
     boot = start_bootstrap(tmp_path, extra=["--metrics-port", str(boot_port), "--refresh", "0.2"])
     boot_url = f"http://127.0.0.1:{boot_port}/metrics"
     run = ["--run-id", "metrics", *TWO_PEERS, "--pace", "fixed"]  # a round every 4 steps, however loaded
@@ -186,13 +186,14 @@ def test_a_metrics_port_in_use_is_one_line_before_anything_starts(tmp_path: Path
         join = run_cli(
             ["join", "--bootstrap", "127.0.0.1:9", "--metrics-port", str(port), *TWO_PEERS], tmp_path, 60
         )
+        boot_port, status_port = free_ports(2)
         boot = run_cli(
             [
                 "bootstrap",
                 "--port",
-                str(free_port()),
+                str(boot_port),
                 "--status-port",
-                str(free_port()),
+                str(status_port),
                 "--metrics-port",
                 str(port),
                 "--address-file",

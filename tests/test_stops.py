@@ -37,6 +37,7 @@ from tests.swarm_procs import (
     end_group,
     evals,
     free_port,
+    free_ports,
     group_members,
     records,
     socket_files,
@@ -399,8 +400,12 @@ def test_the_bootstrap_stops(tmp_path: Path, sig: signal.Signals) -> None:
     cases = ("pid", "early", "late")
     for case in cases:
         (tmp_path / case).mkdir()
+    ports = free_ports(2 * len(cases))  # picked together: no two bootstraps share one
     with ThreadPoolExecutor(len(cases)) as pool:  # they start side by side
-        starting = {case: pool.submit(start_bootstrap, tmp_path / case) for case in cases}
+        starting = {
+            case: pool.submit(start_bootstrap, tmp_path / case, ports=(ports[2 * i], ports[2 * i + 1]))
+            for i, case in enumerate(cases)
+        }
     boots = {case: future.result() for case, future in starting.items() if future.exception() is None}
     try:
         assert len(boots) == len(cases), [future.exception() for future in starting.values()]
