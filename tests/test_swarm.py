@@ -34,9 +34,14 @@ from tests.swarm_procs import (
 from tests.tiny_options import TINY
 
 
-@pytest.mark.parametrize(("algo", "codec"), [("streaming", "topk2"), ("cocodc", "fp32")])
-def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str, codec: str) -> None:
-    """Streaming with a top-k codec and error feedback, cocodc lossless: the same θ̄ as the simulator."""
+@pytest.mark.parametrize(
+    ("algo", "codec", "shares"), [("streaming", "topk2", "1"), ("cocodc", "fp32", "1,1,0.5")]
+)
+def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str, codec: str, shares: str) -> None:
+    """Streaming with a top-k codec and error feedback; cocodc lossless with uneven regions (peer 2
+    trains half the steps, --inner-share 0.5, the simulator's worker 2 likewise): the same θ̄ as the
+    simulator."""
+    share = shares.split(",") * 3 if "," not in shares else shares.split(",")
     boot = start_bootstrap(tmp_path)
     peers = []
     try:
@@ -48,6 +53,7 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str, codec: str) 
                 args += ["--shard", f"{i}/3"]
             args += ["--out", f"peer{i}.jsonl", "--save", f"peer{i}-model", "--run-id", f"t-{algo}"]
             args += ["--verbose", "--pace", "fixed"]  # the simulator's timetable, however loaded this machine
+            args += ["--inner-share", share[i]]
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
         sim = run_cli(
             [
@@ -61,6 +67,8 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str, codec: str) 
                 "sim.jsonl",
                 "--save",
                 "sim-model",
+                "--inner-share",
+                shares,
             ],
             tmp_path,
             timeout=120,
@@ -79,6 +87,9 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str, codec: str) 
     expected = records(tmp_path / "sim.jsonl")[-1]
     assert all(s["kind"] == "summary" for s in summaries)
     assert sorted(s["shard"] for s in summaries) == [0, 1, 2]
+    # a region of share 1/2 trains 16 of the 32 steps, and its θ̄ is everyone's
+    trained = {s["shard"]: (s["steps_trained"], s["inner_share"]) for s in summaries}
+    assert trained == {i: (round(32 * float(share[i])), float(share[i])) for i in range(3)}
     # every fragment synced several times, every round complete on every peer
     assert all(s["rounds_done"] >= 6 and s["rounds_failed"] == 0 for s in summaries)
     # the sync work between steps (snapshots, merges) is timed, apart from the waits for results

@@ -89,12 +89,22 @@ class Screening(NamedTuple):
 
 
 def aggregate(
-    values: Sequence[torch.Tensor], aggregation: Aggregation = MEAN, earlier: Sequence[Sequence[float]] = ()
+    values: Sequence[torch.Tensor],
+    aggregation: Aggregation = MEAN,
+    earlier: Sequence[Sequence[float]] = (),
+    weights: Sequence[float] = (),
 ) -> tuple[torch.Tensor, Screening]:
     """The slice's aggregate and its screening; ``earlier[i]``: member i's earlier cosines at this
-    owner, oldest first (none given: members new to it)."""
+    owner, oldest first (none given: members new to it). ``weights[i]``: the share of the window's
+    steps member i trained (``inner_share.py``; none given, or all equal: every member alike). The
+    kept members' values are scaled by w_i·n / Σ w (n kept) before the rule, so the mean is the
+    weighted mean Σ w_i x_i / Σ w_i; screening judges the values as sent."""
     screening = screen(values, aggregation, earlier)
-    kept = [value for i, value in enumerate(values) if i not in screening.excluded]
+    index = [i for i in range(len(values)) if i not in screening.excluded]
+    kept = [values[i] for i in index]
+    if weights and len({weights[i] for i in index}) > 1:
+        total = math.fsum(weights[i] for i in index)
+        kept = [value * (weights[i] * len(index) / total) for value, i in zip(kept, index, strict=True)]
     return combine(kept, aggregation), screening
 
 

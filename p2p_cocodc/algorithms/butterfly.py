@@ -52,14 +52,17 @@ def reduce_slice(
     aggregation: Aggregation = MEAN,
     earlier: Sequence[Sequence[float]] = (),
     members: int | None = None,
+    weights: Sequence[float] = (),
 ) -> tuple[bytes, Screening]:
     """Step 3: the owner's aggregate of one slice over every member's encoding, encoded again with
     ``codec.mean_codec(members)`` (``members``: the round's M, default ``len(encoded)``; fewer are
     encoded when some were left out before screening), and its screening (the members, positions
     in ``encoded``, left out of it as outliers, and their cosines; ``earlier``: each member's earlier
     cosines at this owner). With nobody screened out, the mean is the sum in member order divided by
-    M. Raises UserError (from the codec) on a payload of the wrong size or non-finite."""
-    value, screening = aggregate([codec.decode(data, numel) for data in encoded], aggregation, earlier)
+    M; ``weights``: each member's share of the window's steps (``aggregate``). Raises UserError (from
+    the codec) on a payload of the wrong size or non-finite."""
+    decoded = [codec.decode(data, numel) for data in encoded]
+    value, screening = aggregate(decoded, aggregation, earlier, weights)
     return codec.mean_codec(members or len(encoded)).encode(value), screening
 
 
@@ -75,11 +78,13 @@ def butterfly_mean(
     aggregation: Aggregation = MEAN,
     owners: Sequence[CosineRecord] | None = None,
     members: Sequence[Hashable] | None = None,
+    weights: Sequence[float] = (),
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """What every member of a butterfly all-reduce ends with, computed in one process, and the
     members (positions in ``vectors``) screened out of any slice, ascending. ``owners[j]``: the cosine
     record of the owner of slice j (member j), which judges and then records ``members`` (ids, in
-    the order of ``vectors``); none: every member is new to every owner, nothing is recorded."""
+    the order of ``vectors``); none: every member is new to every owner, nothing is recorded.
+    ``weights``: each member's share of the window's steps, in the order of ``vectors``."""
     if len(vectors) == 1:
         return vectors[0].clone(), ()
     count = len(vectors)
@@ -89,7 +94,9 @@ def butterfly_mean(
     reduced = []
     for j in range(count):
         earlier = owners[j].earlier(members) if owners is not None and members is not None else ()
-        reduced.append(reduce_slice([e[j] for e in encoded], sizes[j], codec, aggregation, earlier))
+        reduced.append(
+            reduce_slice([e[j] for e in encoded], sizes[j], codec, aggregation, earlier, None, weights)
+        )
         if owners is not None and members is not None:
             owners[j].add(members, reduced[j][1].cosines)
     excluded = sorted({i for _, screening in reduced for i in screening.excluded})

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # imported where used: --help must not pay for hivemind and t
     from p2p_cocodc.config.join import SwarmOptions
     from p2p_cocodc.ops.monitoring import PeerMetrics
 
-SIMULATOR_ONLY = ("events",)  # fields that mean nothing to a peer: not options of join
+SIMULATOR_ONLY = ("events", "worker_speeds")  # fields that mean nothing to a peer: not options of join
 
 
 def training_options(command: Callable[..., Any] | None = None, *, peer: bool = False) -> Any:
@@ -276,6 +276,8 @@ def join(config_path: str | None, check: bool, quiet: bool, verbose: bool, **opt
     cfg = _config_from(config_path, options)
     if cfg.events is not None:
         raise UserError("join: --events replays a swarm run in the simulator: use it with simulate")
+    if "," in cfg.inner_share:
+        raise UserError(f"join: --inner-share {cfg.inner_share}: a peer takes one share, or auto; not a list")
     check_output_paths(cfg)
     opts = _swarm_from(config_path, swarm_cli)
     if check:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from p2p_cocodc.algorithms.inner_share import parse_shares
 from p2p_cocodc.config.derived import Link, check_sync, sync_shape
 from p2p_cocodc.config.schema import AUTO, Schema, opt, read_toml
 from p2p_cocodc.errors import UserError
@@ -139,6 +140,21 @@ class TrainConfig:
     )
     step_time: float | None = opt(
         None, "seconds per inner step (the simulator's clock; a peer's 'auto' τ and N)", shown="measured"
+    )
+    # uneven regions (``algorithms/inner_share.py``)
+    inner_share: str = opt(
+        "1",
+        "the share of the swarm's inner steps this region trains, so a slower region keeps the others' "
+        "pace instead of making them wait: 1 (every step), a number in (0, 1], or auto (its speed ÷ the "
+        "fastest peer's, 1 within 10 %); simulate: one value, or one per worker (data shard), "
+        "comma-separated",
+    )
+    worker_speeds: str | None = opt(
+        None,
+        "simulate: each worker's speed relative to the others, comma-separated (one per data shard): "
+        "the clock runs at the slowest worker's pace, and --inner-share auto trains each in proportion",
+        shown="all equal",
+        metavar="LIST",
     )
     # evaluation and output
     eval_every: int = opt(24, "evaluate θ̄ every E inner steps")
@@ -284,6 +300,13 @@ class TrainConfig:
                 "as they are (too noisy to screen); leave it out"
             )
         check_sync(self.algo, self.inner_steps, self.fragments, self.overlap, self.transmissions)
+        self.inner_shares()
+        self.speeds()
+        if self.algo in AVERAGE_GRADIENTS and self.inner_share.strip() not in ("1", "1.0"):
+            raise UserError(
+                f"--inner-share {self.inner_share}: ddp averages every step's gradients, so every region "
+                "trains every step; use a fragment algorithm (cocodc, streaming, diloco) for uneven regions"
+            )
         if not 0 < self.topk <= 1:
             raise UserError(f"--topk must be a fraction in (0, 1], got {self.topk}")
         if self.topk != FIELDS["topk"].default and not self.wire_codec.startswith("topk"):
@@ -315,6 +338,25 @@ class TrainConfig:
         if self.codec is not None:
             return self.codec
         return "fp32" if self.algo in AVERAGE_GRADIENTS else DEFAULT_CODEC
+
+    def inner_shares(self) -> list[float] | None:
+        """--inner-share per data shard (None: auto); UserError naming the option on a bad value."""
+        return parse_shares(self.inner_share, self.data_shards)
+
+    def speeds(self) -> list[float]:
+        """--worker-speeds per data shard, the fastest 1.0 (all 1.0 when not given)."""
+        if self.worker_speeds is None:
+            return [1.0] * self.data_shards
+        try:
+            values = [float(v) for v in self.worker_speeds.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != self.data_shards or not all(v > 0 and math.isfinite(v) for v in values):
+            raise UserError(
+                f"--worker-speeds {self.worker_speeds!r}: give {self.data_shards} positive numbers, "
+                "one per worker (data shard), comma-separated"
+            )
+        return [v / max(values) for v in values]
 
     @property
     def data_shards(self) -> int:

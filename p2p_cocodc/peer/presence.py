@@ -178,6 +178,16 @@ class Presence:
         self._compare_theta()
         self.on_records(fresh)
 
+    def fastest_step_s(self) -> float:
+        """The shortest inner step time a training peer of this run publishes (0: none measured yet):
+        what ``--inner-share auto`` compares this peer's own with."""
+        times = [
+            r.step_time_s
+            for r in self.view.values()
+            if self.same_run(r) and r.state == "training" and r.step_time_s > 0
+        ]
+        return min(times, default=0.0)
+
     def name_of(self, peer: str) -> str:
         """Another peer as operators see it: the region its record names, else its peer id's start."""
         record = self.view.get(peer)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from p2p_cocodc.algorithms.devices import HostCopy, StepTimer, peak_memory_bytes
+from p2p_cocodc.algorithms.inner_share import RegionShare
 from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, PreparedResult
 from p2p_cocodc.errors import UserError
@@ -88,6 +89,7 @@ class SwarmReplica:
         self.step = 0
         self.step_time_s = step_time_s or 0.0
         self.min_step_s = 0.0  # --min-step-time: a slower region emulated
+        self.share = RegionShare((setup.cfg.inner_shares() or [None])[0], settings.inner_steps)
         self.step_timer = StepTimer(setup.placement.device)
         self.stall_s = 0.0
         self.boundary_s = 0.0  # time between steps spent on sync work (snapshot, send, merge), waits left out
@@ -274,8 +276,13 @@ class SwarmReplica:
         self.presence.check()
         self.presence.check_split()
 
-    async def train_step(self, step: int) -> float | torch.Tensor:
+    async def train_step(self, step: int) -> float | torch.Tensor | None:
+        """One inner step, or None on a step this region's share leaves out (``--inner-share``)."""
         assert self.data is not None
+        if self.presence is not None and self.share.choose(self.step_time_s, self.presence.fastest_step_s()):
+            log.info("trains %s from step %d (--inner-share auto)", self.share, step)
+        if not self.share.trains(step):
+            return None
         self.step_timer.step_starts()
         started = time.perf_counter()
         loss = await self._inner_step(step, *self.data.batch(step - 1))
@@ -356,7 +363,8 @@ class SwarmReplica:
         round_id = fragment_round(p, sent_step)
         take_part = pace is not None
         started = time.perf_counter()
-        averaged = await self.exchange.allreduce(round_id, vector, sent_step, take_part, pace or 0)
+        recent = self.share.recent(sent_step)
+        averaged = await self.exchange.allreduce(round_id, vector, sent_step, take_part, pace or 0, recent)
         self.metrics.round_seconds.observe(time.perf_counter() - started)
         return await asyncio.to_thread(strategy.prepare, p, averaged)  # type: ignore[attr-defined]
 
@@ -568,6 +576,8 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         "finish_s": replica.finish_s,
         "step_time_s": replica.step_time_s,
         "tokens_per_s": replica.tokens_per_s(),
+        "steps_trained": replica.steps_trained,  # fewer than the steps with --inner-share below 1
+        "inner_share": replica.share.fraction,  # the last one chosen
         "peak_memory_bytes": peak_memory_bytes(replica.setup.placement.device),
         **(replica.region.summary_fields() if replica.region is not None else {}),
         "rounds_done": stats.rounds_done,

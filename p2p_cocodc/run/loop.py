@@ -103,8 +103,9 @@ class Driver(Protocol):
 
     async def before_step(self) -> None: ...
 
-    async def train_step(self, step: int) -> float | torch.Tensor:
-        """One inner step of every local replica; the mean train loss (a tensor: not read yet)."""
+    async def train_step(self, step: int) -> float | torch.Tensor | None:
+        """One inner step of every local replica; the mean train loss (a tensor: not read yet), or
+        None where no replica trained this step (``--inner-share``)."""
 
     def due(self, step: int) -> list[int]: ...
 
@@ -196,7 +197,9 @@ class ReplicaLoop:
             try:
                 await driver.before_step()
                 await self._read_losses(keep=1)  # the device may still run step - 1
-                self.unread.append((step, await driver.train_step(step)))
+                loss = await driver.train_step(step)
+                if loss is not None:  # None: this replica's region trains a share of the steps, not this one
+                    self.unread.append((step, loss))
                 driver.step = step
                 await self._boundary(step)
             except Rejoin as exc:

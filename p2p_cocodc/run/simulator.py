@@ -30,6 +30,7 @@ import torch
 from p2p_cocodc.algorithms.aggregation import CosineRecord
 from p2p_cocodc.algorithms.butterfly import butterfly_mean
 from p2p_cocodc.algorithms.inner import InnerTrainer
+from p2p_cocodc.algorithms.inner_share import RegionShare, auto_share, weight
 from p2p_cocodc.algorithms.state import expect_tensor
 from p2p_cocodc.algorithms.strategies import ReplicaStrategy
 from p2p_cocodc.config.train import TrainConfig
@@ -98,6 +99,10 @@ class Simulation:
             step_time = setup.step_time() if setup.needs_step_time() else cfg.step_time
         self.step_time = step_time
         self.settings = setup.settings(self.link.latency_s, self.link.bandwidth_bps, self.step_time)
+        # uneven regions: shard i trains share_steps[i] of every H steps and runs at speeds[i]
+        self.speeds = cfg.speeds()
+        shares = cfg.inner_shares() or [auto_share(1.0 / v, 1.0) for v in self.speeds]
+        self.shares = [RegionShare(share, self.settings.inner_steps) for share in shares]
         self.events = read_events(cfg.events, cfg.data_shards) if cfg.events else None
         joins = self.events.joins if self.events is not None else {}
         if cfg.algo in AVERAGE_GRADIENTS and joins.keys() - {0}:
@@ -114,6 +119,7 @@ class Simulation:
         self.eval_model = setup.eval_model()
         self.step = 0  # inner steps done
         self.clock = 0.0
+        self.measured_step_s = 0.0  # without --step-time: the last measured seconds of one replica's step
         self.stall_s = 0.0
         self.bytes_sent = 0
         self.pending: dict[int, PendingResult] = {}
@@ -187,19 +193,26 @@ class Simulation:
     async def before_step(self) -> None:
         pass
 
-    async def train_step(self, step: int) -> float:
-        """One inner step on every replica (with ddp, the gradient round between backward and
-        update), then the clock moves on by a step's time."""
+    async def train_step(self, step: int) -> float | None:
+        """One inner step on every replica that trains this step (with ddp, the gradient round
+        between backward and update; with --inner-share, a replica trains only its share of the
+        steps), then the clock moves on by a step's time at the slowest replica's pace. None: no
+        replica trained this step."""
         started = time.perf_counter()
-        losses = [float(w.trainer.backward(*w.shard.batch(step - 1))) for w in self.workers.values()]
+        training = [w for i, w in self.workers.items() if self.shares[i].trains(step)]
+        losses = [float(w.trainer.backward(*w.shard.batch(step - 1))) for w in training]
         # a gradient round the replayed swarm failed: every peer skipped the step's update
         skipped = self._any_worker().strategy.averages_gradients and not self._average_gradients(step)
         if not skipped:
-            for w in self.workers.values():
+            for w in training:
                 w.trainer.update(step)
         compute = time.perf_counter() - started
-        self.clock += self.step_time if self.step_time is not None else compute / len(self.workers)
-        return sum(losses) / len(losses)
+        if self.step_time is None and training:
+            self.measured_step_s = compute / len(training)
+        # seconds per step of the slowest replica, its trained steps spread evenly over the window
+        pace = max(self.shares[i].fraction / self.speeds[i] for i in self.workers)
+        self.clock += (self.step_time if self.step_time is not None else self.measured_step_s) * pace
+        return sum(losses) / len(losses) if losses else None
 
     def _average_gradients(self, step: int) -> bool:
         """The gradient round of ``step`` (False: it failed, as the replayed swarm's did)."""
@@ -326,8 +339,10 @@ class Simulation:
                 "join record starts before it"
             )
         owners = [self._cosine_record(i) for i in group]
+        step = int(round_id.rsplit(":", 1)[1])
+        weights = [weight(*self.shares[i].recent(step)) for i in group]
         averaged, excluded = butterfly_mean(
-            [payloads[i] for i in group], self.codec, self.aggregation, owners, group
+            [payloads[i] for i in group], self.codec, self.aggregation, owners, group, weights
         )
         if excluded:
             self.exclusions.append((round_id, [group[i] for i in excluded]))

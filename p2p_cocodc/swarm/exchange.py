@@ -273,12 +273,19 @@ class FragmentExchange:
     # ---- the facade ----
 
     async def allreduce(
-        self, round_id: str, vector: torch.Tensor, step: int, take_part: bool = True, pace: int = 0
+        self,
+        round_id: str,
+        vector: torch.Tensor,
+        step: int,
+        take_part: bool = True,
+        pace: int = 0,
+        recent: tuple[int, int] = (0, 0),
     ) -> torch.Tensor:
         """The mean of ``vector`` over this round's group; a peer left out of the group, or whose
         all-reduce failed, gets the average another peer completed, bit for bit. ``pace``: the
         send-slot spacing this peer asks for (``paced_spacing``); the round's agreed pace is in
-        ``groups[round_id]`` once it completed.
+        ``groups[round_id]`` once it completed. ``recent``: (trained, window), the steps ``vector``
+        covers (``inner_share.recent_steps``), which weighs it in the mean.
 
         ``take_part=False``: this peer only wants the round's average (it joined the run after the
         round was sent, or is coming back to it): it promises to join no group of the round and asks
@@ -297,7 +304,7 @@ class FragmentExchange:
                 # a machine opened by another peer's message holds the board as of then, and a
                 # tick may not have passed since: it must not lead with a view older than ours
                 self._feed(round_id, machine, ViewChanged(self._board()))
-                self._feed(round_id, machine, Start(step, vector, pace))
+                self._feed(round_id, machine, Start(step, vector, pace, recent))
             elif take_part:
                 raise RoundFailed(f"round {round_id} was already run here")
             result = machine.outcome if machine.outcome is not None else await outcome

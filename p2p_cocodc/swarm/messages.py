@@ -11,13 +11,16 @@ type-checked and bounded, and anything else is a ``BadMessage`` naming what was 
 | PROBE | shard, fingerprint, pace | "what do you know of this round?" (to a peer that has not joined) |
 | LEADER | leader | "I take this peer for the round's leader" (answer to JOIN / PROBE) |
 | GROUP | members, pace | "the round's group is this list, with this pace" (from its leader, or any holder) |
-| PART | members, pace, index, numel, data | my encoding of slice ``index`` for its owner |
+| PART | members, pace, index, numel, data, trained, window | my slice ``index``, for its owner (†) |
 | RESULT | members, pace, index, numel, data | the owner's encoded mean of slice ``index`` |
 | ACK | kind, index | a PART or RESULT arrived |
 | FETCH | ask, members, pace, observer | "give me the average" (a left-out or failed member; an observer) |
 | AVERAGE | members, pace, numel, data | the round's average, fp32, bit-exact |
 | STATUS | status, detail, ask | where the round stands here, when that is the whole answer (see ``Status``) |
 | BYE | | the sender is leaving the run (round "-"): it joins no new group, finishes what it is in |
+
+(†) and ``trained``: how many of the last ``window`` steps the sender trained (``--inner-share``;
+0 and 0: every step), which weighs its slice in the owner's mean (``algorithms/inner_share.py``).
 """
 
 from __future__ import annotations
@@ -114,10 +117,16 @@ class Part(Group):
     index: int = 0
     numel: int = 0
     data: bytes = b""
+    trained: int = 0  # PART: the sender trained this many of the last ``window`` steps (--inner-share)
+    window: int = 0  # 0: every step (weight 1); a RESULT carries 0 and 0
     code: ClassVar[Code] = Code.PART
 
     def fields(self) -> dict[str, Any]:
-        return {**super().fields(), "index": self.index, "numel": self.numel, "data": self.data}
+        slice_ = {"index": self.index, "numel": self.numel, "data": self.data}
+        return {**super().fields(), **slice_, "trained": self.trained, "window": self.window}
+
+    def weight(self) -> tuple[int, int]:
+        return self.trained, self.window
 
 
 @dataclass(frozen=True)
@@ -229,7 +238,12 @@ def parse_message(body: Any) -> Message:
     index = body.get("index")
     if not is_index(index) or index >= len(members):
         raise BadMessage(f"{code.name} needs an int 'index' below the number of members")
-    return (Part if code == Code.PART else Result)(round_id, members, pace, index, numel, data)
+    trained, window = body.get("trained"), body.get("window")
+    if not is_index(trained) or not is_index(window) or window > MAX_PACE or trained > window:
+        raise BadMessage(f"{code.name} needs ints 0 ≤ 'trained' ≤ 'window' ≤ {MAX_PACE}")
+    return (Part if code == Code.PART else Result)(
+        round_id, members, pace, index, numel, data, trained, window
+    )
 
 
 def parse_members(members: Any) -> Members:

@@ -4,7 +4,6 @@ No I/O, no clock, no threads: the transport (``swarm/exchange.py``) feeds it eve
 reached the round, a message arrived, the board changed, a computation finished, time passed) with
 the time, and carries out the effects it returns (send, compute, settle). The model check
 (``tests/test_round_model.py``) runs it on an in-memory network with a fake clock.
-
 Phases (``docs/swarm.md`` has the full tables and every rule):
 
 - IDLE: not at the round yet; it answers what others ask, and records joins if it leads.
@@ -16,15 +15,11 @@ Phases (``docs/swarm.md`` has the full tables and every rule):
 - RUNNING: the butterfly (``algorithms/butterfly.py``); PARTs and RESULTs carry the member list and
   are re-sent until acknowledged; a member that cannot complete recovers.
 - RECOVERING: it asks every peer it knows for the round's average (FETCH) and completes with any
-  AVERAGE; it settles FAILED (or LOST: completed elsewhere, average gone) only when no peer asked
-  may still produce one. Silence is final only off the board: a peer on the board that answers
-  nothing may be live behind a congested link and hold the average (or a group: a leader never
-  forms without it), so it stays asked; still silent at ``Deadlines.undecided_by``, this peer
-  settles UNDECIDED and takes the swarm's state again instead of guessing.
+  AVERAGE; it settles FAILED (or LOST: average gone) only when no peer asked may still produce one.
+  A silent peer on the board may be live behind a congested link, so it stays asked; still silent
+  at ``Deadlines.undecided_by``, this peer settles UNDECIDED and takes the swarm's state again.
 - DONE: settled; it still answers, and re-sends its RESULTs until acknowledged or too late.
-
-The invariants the model checks after every event are listed in ``docs/swarm.md``.
-"""
+The invariants the model checks after every event are listed in ``docs/swarm.md``."""
 
 from __future__ import annotations
 
@@ -35,6 +30,7 @@ import torch
 from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
 from p2p_cocodc.algorithms.butterfly import slice_sizes
 from p2p_cocodc.algorithms.codecs import Codec
+from p2p_cocodc.algorithms.inner_share import weight
 from p2p_cocodc.swarm.group_claims import GroupClaims
 from p2p_cocodc.swarm.messages import (
     Ack,
@@ -142,6 +138,7 @@ class RoundMachine:
         self.slices: list[bytes] | None = None
         self.sizes: list[int] = []
         self.parts: dict[str, bytes] = {}
+        self.recent: dict[str, tuple[int, int]] = {}  # each PART's (trained, window); ours from Start
         self.results: dict[str, bytes] = {}
         self.acked: set[tuple[Code, str]] = set()
         self.jobs_out: set[str] = set()
@@ -259,6 +256,7 @@ class RoundMachine:
         if self.phase != Phase.IDLE:
             return
         self.step, self.vector, self.wish = event.step, event.vector, event.pace
+        self.recent[self.me] = event.recent
         self.started_at = now
         etas = [max(event.step - p.step, 0) * p.step_time_s for p in self.view.values()]
         # a peer's record is its own word: one that claims to be far behind is waited for no longer
@@ -374,17 +372,14 @@ class RoundMachine:
             return  # not the slice this peer owns (or the sender owns): ignore, never ACK
         if sender not in box and self.phase != Phase.DONE:
             box[sender] = msg.data
+            self.recent[sender] = msg.weight() if msg.code == Code.PART else self.recent.get(sender, (0, 0))
             self._check_size(sender, msg, now, out)
         self._send(out, sender, Ack(self.round_id, msg.code, msg.index), now, expect=False)
 
     def _check_size(self, sender: str, msg: Part, now: float, out: list[Effect]) -> None:
         if self.sizes and msg.numel != self.sizes[msg.index]:
-            self._recover(
-                now,
-                out,
-                f"peer {short(sender)} sent slice {msg.index} of {msg.numel} values, "
-                f"expected {self.sizes[msg.index]}",
-            )
+            why = f"peer {short(sender)} sent slice {msg.index} of {msg.numel} values"
+            self._recover(now, out, f"{why}, expected {self.sizes[msg.index]}")
 
     def _on_average(self, sender: str, msg: Average, now: float, out: list[Effect]) -> None:
         if self.phase == Phase.RECOVERING and "decode" not in self.jobs_out and self.vector is not None:
@@ -642,7 +637,8 @@ class RoundMachine:
                 kept = tuple(p for p in peers if p not in self.replayed)  # a replayed slice never counts
                 earlier = tuple(self.earlier_cosines.get(p, ()) for p in kept)
                 inputs = ([self.parts[p] for p in kept], self.sizes[mine], self.aggregation, kept, earlier)
-                out.append(Compute(Job("reduce", (*inputs, len(peers)))))  # M: the mean's format
+                weights = tuple(weight(*self.recent.get(p, (0, 0))) for p in kept)
+                out.append(Compute(Job("reduce", (*inputs, len(peers), weights))))  # M: the mean's format
         if self.me in self.results:
             for peer in peers:
                 if peer != self.me:
@@ -666,8 +662,9 @@ class RoundMachine:
             return  # a member that is leaving still needs our slices: it is finishing this round
         if self._due(code, peer, now, self.deadlines.resend_after(len(data))):
             assert self.members is not None
+            recent = self.recent[self.me] if code == Code.PART else (0, 0)
             message = (Part if code == Code.PART else Result)(
-                self.round_id, self.members, self.pace, index, self.sizes[index], data
+                self.round_id, self.members, self.pace, index, self.sizes[index], data, *recent
             )
             self._send(out, peer, message, now)
 

@@ -88,6 +88,7 @@ class Start:
     step: int
     vector: torch.Tensor
     pace: int = 0
+    recent: tuple[int, int] = (0, 0)  # (trained, window) of the steps ``vector`` covers (``--inner-share``)
 
 
 @dataclass(frozen=True)
@@ -221,8 +222,8 @@ def run_job(job: Job, codec: Codec) -> Computed:
             vector, parts = job.inputs
             value: object = encode_slices(vector, parts, codec)
         elif job.kind == "reduce":  # (the aggregate's encoding, its Screening)
-            encoded, numel, aggregation, _, earlier, members = job.inputs  # _: who ``encoded`` is from
-            value = reduce_slice(encoded, numel, codec, aggregation, earlier, members)
+            encoded, numel, aggregation, _, earlier, members, weights = job.inputs  # _: who sent ``encoded``
+            value = reduce_slice(encoded, numel, codec, aggregation, earlier, members, weights)
         elif job.kind == "assemble":
             means, sizes = job.inputs
             value = assemble(means, sizes, codec)
