@@ -241,7 +241,7 @@ def code_version() -> dict[str, Any]:
 
     def git(*argv: str) -> str:
         done = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.strip()
+        return done.stdout.rstrip()  # not strip(): a status line starts with a space
 
     changed = git("status", "--short", "--", "p2p_cocodc").splitlines()
     return {"commit": git("rev-parse", "--short", "HEAD"), "changed": [line[3:] for line in changed]}

@@ -14,6 +14,7 @@ in that repeat, so every one of them reaches it). Layouts run in turn within eac
 lines give the medians over ``--repeat`` repeats.
 
     python benchmarks/uneven_regions.py --repeat 3
+    python benchmarks/uneven_regions.py --repeat 3 --batch-size 1
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.swarm_procs import records, train_swarm  # noqa: E402
+from tests.tiny_options import TINY_MODEL  # noqa: E402
 
 LAYOUTS = {  # the peers' step floors (× --step) and --inner-share
     "even": ([1, 1, 1], "1"),
@@ -43,7 +45,7 @@ def run(
     """One run of len(floors) peers, peer i's steps held to ``floors[i]`` seconds; their summaries,
     each with its run's evaluations under "evals"."""
     options = ["--run-id", name, "--algo", args.algo, "--inner-share", inner_share]
-    options += ["--model", "nano", "--tokenizer", "byte", "--seq-len", "32", "--batch-size", "4"]
+    options += [*TINY_MODEL[:-1], str(args.batch_size)]  # nano on bytes, --batch-size as given
     options += [
         "--workers",
         str(len(floors)),
@@ -85,6 +87,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=192)
     parser.add_argument("--inner-steps", type=int, default=16)
     parser.add_argument("--eval-every", type=int, default=16)
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="1: noisier gradients, where more data helps"
+    )
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="uneven-"))
