@@ -121,8 +121,8 @@ def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
         "--algo", args.algo, "--model", "small", "--tokenizer", "byte", "--seq-len", "64",
         "--batch-size", "4", "--workers", str(PEERS), "--steps", str(args.steps),
         "--inner-steps", "24", "--fragments", "4", *syncs, "--eval-every", "24",
-        "--eval-batches", "2", "--threads", "1", "--codec", args.codec, "--quiet", *declared,
-    ]  # fmt: skip
+        "--eval-batches", "2", "--threads", "1", "--quiet", *declared,
+    ] + (["--codec", args.codec] if args.codec else [])  # fmt: skip
 
 
 class Logged:
@@ -528,7 +528,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=96, help="inner steps per peer")
     parser.add_argument("--timeout", type=float, default=480.0, help="seconds before a run's peers are ended")
     parser.add_argument("--algo", default="cocodc")
-    parser.add_argument("--codec", default="fp32")
+    parser.add_argument("--codec", default=None, help="the peers' --codec (default: theirs, fp4)")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="round trip between two peers (the relay)")
     parser.add_argument(
         "--profile", choices=sorted(PROFILES), help="a named link: sets --mbps and --rtt-ms (tests/netns.py)"
