@@ -145,6 +145,8 @@ def test_a_part_tells_the_steps_its_sender_trained_and_a_bad_count_is_refused() 
         and recent_steps(8, 8, 8) == (0, 0)
     )
     assert weight(*recent_steps(8, 8, 8)) == 1.0 and weight(4, 8) == 0.5
+    older = {k: v for k, v in part.to_wire().items() if k not in ("trained", "window")}
+    assert parse_message(older).weight() == (0, 0)  # a PART from a peer that predates the fields
     for trained, window in ((9, 8), (1, 0), (-1, 8), (1, 1 << 25), ("4", 8)):
         with pytest.raises(BadMessage, match="'trained'"):
             parse_message({**part.to_wire(), "trained": trained, "window": window})

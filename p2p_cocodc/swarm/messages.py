@@ -238,7 +238,7 @@ def parse_message(body: Any) -> Message:
     index = body.get("index")
     if not is_index(index) or index >= len(members):
         raise BadMessage(f"{code.name} needs an int 'index' below the number of members")
-    trained, window = body.get("trained"), body.get("window")
+    trained, window = body.get("trained", 0), body.get("window", 0)  # absent (an older peer): every step
     if not is_index(trained) or not is_index(window) or window > MAX_PACE or trained > window:
         raise BadMessage(f"{code.name} needs ints 0 ≤ 'trained' ≤ 'window' ≤ {MAX_PACE}")
     return (Part if code == Code.PART else Result)(
