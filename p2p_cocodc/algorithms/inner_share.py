@@ -19,7 +19,7 @@ owners (trained_i, window_i), the steps it trained among the last window_i = min
 
 (``aggregation.aggregate``; with equal weights it is the plain mean, bit for bit; a robust rule
 runs on the values scaled by w_i·n / Σ w). On the simulator (nano, 3 workers, one at share 1/2),
-this weighting ended 1-2 % below the plain mean of the same Δ_i, and 2-3 % below Σ Δ_i / Σ w_i.
+this weighting ended 1-2 % below the plain mean of the same Δ_i, and about 2 % below Σ Δ_i / Σ w_i.
 
 This is Dynamic Local Updates (DyLU) of Liu et al. 2024, *Asynchronous Local-SGD Training for
 Language Modeling* (arXiv 2401.09135): each worker runs local steps in proportion to its speed,
