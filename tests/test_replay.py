@@ -41,9 +41,9 @@ class RecordsRounds(Simulation):
 
     rounds_seen: list[str] = []
 
-    def _average(self, round_id, payloads):
+    def _average(self, round_id, step, payloads):
         self.rounds_seen.append(round_id)
-        return super()._average(round_id, payloads)
+        return super()._average(round_id, step, payloads)
 
 
 def plain_rounds() -> list[str]:

@@ -39,6 +39,7 @@ one run, and the simulator (``--inner-share`` per worker) reproduces the swarm b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from p2p_cocodc.errors import UserError
 
@@ -109,11 +110,11 @@ class RegionShare:
         self.auto = share is None
         self.steps = inner_steps if share is None else share_steps(share, inner_steps)  # k
 
-    def choose(self, own_step_s: float, fastest_step_s: float) -> bool:
-        """Auto: k for the step times now; True if it changed."""
+    def choose(self, own_step_s: float, fastest_step_s: Callable[[], float]) -> bool:
+        """Auto: k for the step times now (``fastest_step_s`` asked only then); True if it changed."""
         if not self.auto:
             return False
-        chosen = share_steps(auto_share(own_step_s, fastest_step_s), self.inner_steps)
+        chosen = share_steps(auto_share(own_step_s, fastest_step_s()), self.inner_steps)
         changed, self.steps = chosen != self.steps, chosen
         return changed
 

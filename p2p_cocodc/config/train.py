@@ -300,9 +300,9 @@ class TrainConfig:
                 "as they are (too noisy to screen); leave it out"
             )
         check_sync(self.algo, self.inner_steps, self.fragments, self.overlap, self.transmissions)
-        self.inner_shares()
+        shares = self.inner_shares()
         self.speeds()
-        if self.algo in AVERAGE_GRADIENTS and self.inner_share.strip() not in ("1", "1.0"):
+        if self.algo in AVERAGE_GRADIENTS and (shares is None or min(shares) < 1):
             raise UserError(
                 f"--inner-share {self.inner_share}: ddp averages every step's gradients, so every region "
                 "trains every step; use a fragment algorithm (cocodc, streaming, diloco) for uneven regions"

@@ -279,7 +279,7 @@ class SwarmReplica:
     async def train_step(self, step: int) -> float | torch.Tensor | None:
         """One inner step, or None on a step this region's share leaves out (``--inner-share``)."""
         assert self.data is not None
-        if self.presence is not None and self.share.choose(self.step_time_s, self.presence.fastest_step_s()):
+        if self.presence is not None and self.share.choose(self.step_time_s, self.presence.fastest_step_s):
             log.info("trains %s from step %d (--inner-share auto)", self.share, step)
         if not self.share.trains(step):
             return None

@@ -217,7 +217,8 @@ class Simulation:
     def _average_gradients(self, step: int) -> bool:
         """The gradient round of ``step`` (False: it failed, as the replayed swarm's did)."""
         strategies = {i: w.strategy for i, w in self.workers.items()}
-        averaged, wire = self._average(f"g:{step}", {i: s.gradient_payload() for i, s in strategies.items()})
+        payloads = {i: s.gradient_payload() for i, s in strategies.items()}
+        averaged, wire = self._average(f"g:{step}", step, payloads)
         if wire < 0:
             raise UserError(f"--events {self.cfg.events} has no record of round g:{step}")
         self._transfer_and_wait(wire)
@@ -322,7 +323,9 @@ class Simulation:
         record = self.events.rounds.get(round_id) if self.events is not None else None
         return record.pace if record is not None else 0
 
-    def _average(self, round_id: str, payloads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, int]:
+    def _average(
+        self, round_id: str, step: int, payloads: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor | None, int]:
         """A round's aggregate of the payloads by data shard (None if it failed) and the bytes one
         replica's link carried; the data shards its slice owners screened out are kept for an
         exclusion record."""
@@ -339,7 +342,6 @@ class Simulation:
                 "join record starts before it"
             )
         owners = [self._cosine_record(i) for i in group]
-        step = int(round_id.rsplit(":", 1)[1])
         weights = [weight(*self.shares[i].recent(step)) for i in group]
         averaged, excluded = butterfly_mean(
             [payloads[i] for i in group], self.codec, self.aggregation, owners, group, weights
@@ -358,7 +360,7 @@ class Simulation:
         virtual clock when the link has carried its bytes."""
         strategies = {i: w.strategy for i, w in self.workers.items()}
         round_id = f"f{p}:{step}"
-        averaged, wire = self._average(round_id, {i: s.payload(p, step) for i, s in strategies.items()})
+        averaged, wire = self._average(round_id, step, {i: s.payload(p, step) for i, s in strategies.items()})
         self.bytes_sent += max(wire, 0)
         arrives = self.link.send(self.clock, max(wire, 0))
         missing = round_id if wire < 0 else ""

@@ -372,7 +372,8 @@ class RoundMachine:
             return  # not the slice this peer owns (or the sender owns): ignore, never ACK
         if sender not in box and self.phase != Phase.DONE:
             box[sender] = msg.data
-            self.recent[sender] = msg.weight() if msg.code == Code.PART else self.recent.get(sender, (0, 0))
+            if msg.code == Code.PART:
+                self.recent[sender] = msg.weight()
             self._check_size(sender, msg, now, out)
         self._send(out, sender, Ack(self.round_id, msg.code, msg.index), now, expect=False)
 
