@@ -45,7 +45,7 @@ from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.setup import TrainingSetup
 from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange
-from p2p_cocodc.swarm.records import Board, PeerRecord, peers_key
+from p2p_cocodc.swarm.records import REFRESHES_PER_LIFETIME, Board, PeerRecord, peers_key
 from p2p_cocodc.swarm.run_options import fingerprint, option_view
 from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
 from p2p_cocodc.swarm.trust import Membership, check_identity
@@ -586,7 +586,9 @@ class Peer:
             await asyncio.sleep(0.2)
         view = presence.view
         step_time = max(max(view[d].step_time_s for d in donors), 1e-3)
-        margin = max(2, math.ceil(2 * self.opts.heartbeat_s / step_time))
+        # a donor's step on the board is as old as its record's refresh (``Board.due``) and our read
+        stale_s = max(view[d].ttl_s for d in donors) / REFRESHES_PER_LIFETIME + 2 * self.opts.heartbeat_s
+        margin = max(2, math.ceil(stale_s / step_time))
         ahead = max(view[d].step for d in donors) + margin
         try:
             # a donor may take minutes to answer (it waits to reach the step asked, or it is stopped):

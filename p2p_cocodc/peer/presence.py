@@ -1,8 +1,9 @@
 """A peer's presence in the swarm: its record on the notice board, its view of the others, the θ̄
 agreement, and the watch for a lapse.
 
-- The **heartbeat** publishes this peer's record and reads the board every ``--heartbeat`` seconds,
-  never waiting on a slow DHT call (a publish or read still in flight is skipped, not cancelled),
+- The **heartbeat** reads the board every ``--heartbeat`` seconds, and publishes this peer's record
+  when it is due (``Board.due``: a field the others act on changed, or a quarter of its lifetime
+  passed), never waiting on a slow DHT call (a publish or read still in flight is skipped, not cancelled),
   and gives up only when no publish has reached another node, or no read has succeeded, for
   ``Board.give_up_s``: long after the others dropped this peer.
 - The **view** keeps a peer for its record's lifetime after it was last read: a DHT read under load
@@ -319,10 +320,10 @@ class Presence:
                     publishing = None
                 if reading is not None and reading.done():
                     reading = None
-                if publishing is None and not board.publishing:
-                    publishing = asyncio.create_task(self.refresh(read=False))
-                else:
+                if publishing is not None or board.publishing:
                     board.skipped += 1
+                elif board.due(self.record(), time.monotonic()):
+                    publishing = asyncio.create_task(self.refresh(read=False))
                 if reading is None:
                     reading = asyncio.create_task(self.refresh(publish=False))
                 now = time.monotonic()

@@ -304,6 +304,10 @@ def start_dht(
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
     kwargs: dict[str, Any] = {"host_maddrs": listen_maddrs(host, port), "nat_port_map": False}
+    # hivemind's DHT pushes every value a get found to the nearest node lacking it, and re-reads
+    # values it cached before they expire: the board reads its key itself every heartbeat, and every
+    # writer stores to every replica, so both are traffic a thin link pays for nothing
+    kwargs.update(cache_nearest=0, cache_refresh_before_expiry=0)
     if announce:
         kwargs["announce_maddrs"] = listen_maddrs(announce, port, "--announce")
     check_listen_address(host, port)

@@ -1,7 +1,9 @@
 """The swarm's notice board: small, expiring DHT records that say who is alive and how far along.
 
-Every peer publishes one record under its run's key (subkey = its peer id) every heartbeat; a record
-that is not refreshed expires, and that is how the others learn a peer has gone. Values stay far
+Every peer publishes one record under its run's key (subkey = its peer id): at the next heartbeat
+when a field the others act on changed, else once a quarter of its lifetime has passed (``Board.due``:
+on a thin link the board's own traffic competes with the fragments). A record that is not refreshed
+expires, and that is how the others learn a peer has gone. Values stay far
 below the ~15 KiB where hivemind's DHT pipe can wedge (see research/hivemind_probe.md), and every
 call has a deadline, because a wedged DHT process would otherwise hang its caller forever.
 Records from other peers are untrusted: a malformed one is dropped, never raised into the loop.
@@ -36,6 +38,7 @@ RECENT_PUBLISHES = 30  # the publishes that set the lifetime (about the last 30-
 MAX_LIFETIME_S = 120.0  # a longer lifetime is not believed from a record, nor written
 GIVE_UP_S = 60.0  # with no publish landing for max(this, 4 lifetimes), the peer has lost the DHT
 GIVE_UP_LIFETIMES = 4
+REFRESHES_PER_LIFETIME = 4  # a record nothing acted on changed in goes out again after 1/4 of its lifetime
 REGION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 MAX_REGION = 32
 MAX_SYNC_SHAPE = 1 << 20  # τ and N are below --inner-steps
@@ -86,6 +89,11 @@ class PeerRecord:
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
 
+    def differs_for_others(self, other: PeerRecord) -> bool:
+        """Whether a field the other peers act on differs (``ACTED_ON``): not only the progress
+        figures, which operators see and peers read as approximate."""
+        return any(getattr(self, name) != getattr(other, name) for name in ACTED_ON)
+
     @classmethod
     def from_wire(cls, value: Any) -> PeerRecord | None:
         """The record, or None when a peer sent something that is not one."""
@@ -122,6 +130,18 @@ class PeerRecord:
             and _is_shape(v["sync_shape"])
         )
         return cls(**v) if ok else None
+
+
+# Fields shown to operators (status page, metrics) or read as approximate (a joiner's target step
+# has a margin and is asked again further ahead; --inner-share auto's step times): a change in them
+# alone waits for the record's next refresh. Every other field is acted on, and goes out at once.
+PROGRESS = frozenset(
+    {
+        "step", "step_time_s", "bandwidth_mbps", "versions", "stall_s", "bytes_sent", "bytes_received",
+        "tokens_per_s", "val_ppl", "last_round_s", "ttl_s", "refused", "outliers",
+    }
+)  # fmt: skip
+ACTED_ON = tuple(name for name in PeerRecord.__dataclass_fields__ if name not in PROGRESS)
 
 
 def is_region(x: Any) -> bool:
@@ -201,6 +221,8 @@ class Board:
         self._lock: asyncio.Lock | None = None
         self._expires = 0.0  # the DHT expiration of the latest record sent
         self._published_state: str | None = None  # the state of the last record that landed
+        self._landed: PeerRecord | None = None  # the last record that landed
+        self._info_expires = 0.0  # the DHT expiration of the last run info that landed
 
     @property
     def lifetime_s(self) -> float:
@@ -212,6 +234,16 @@ class Board:
     def give_up_s(self) -> float:
         """With no publish landing for this long, the others no longer see this peer: it stops."""
         return max(GIVE_UP_S, GIVE_UP_LIFETIMES * self.lifetime_s)
+
+    def due(self, record: PeerRecord, now: float) -> bool:
+        """Whether the heartbeat publishes ``record`` now (``now``: time.monotonic()): a field the
+        others act on differs from the last record that landed, or that one has lived a quarter of
+        its lifetime (2 s on a healthy link). Measured over 2 Mbit/s links, publishing every
+        heartbeat was most of the 40 kB/s each peer sent between rounds (docs/thin-link.md)."""
+        landed = self._landed
+        if landed is None or now - self.landed_at >= self.landed_lifetime_s / REFRESHES_PER_LIFETIME:
+            return True
+        return record.differs_for_others(landed)
 
     @property
     def publishing(self) -> bool:
@@ -235,13 +267,17 @@ class Board:
         # before the one it replaces, or the store is rejected (when the lifetime shrinks)
         expires = max(get_dht_time() + lifetime, self._expires + 1e-3)
         self._expires = expires
-        stores = [(peers_key(self.run_id), self.peer_id, record.to_wire())]
-        if run_info is not None:  # under our own subkey too: a record names its writer (swarm/trust.py)
-            stores.append((RUNS_KEY, self.peer_id, {**run_info, "run": self.run_id}))
         # a change of state (training, leaving, done) must reach every replica before the call
         # returns: a peer that leaves shuts its DHT down right after, which would cut the stores
         # still going on in the background, and readers would see "training" until it lapsed
         everywhere = record.state != self._published_state
+        stores = [(peers_key(self.run_id), self.peer_id, record.to_wire())]
+        # the run info (never changes in a run, and carries every option) rides along with a change
+        # of state, and when less than half its lifetime is left: not with every record
+        info_old = get_dht_time() >= self._info_expires - lifetime / 2
+        with_info = run_info is not None and (everywhere or info_old)
+        if with_info:  # under our own subkey too: a record names its writer (swarm/trust.py)
+            stores.append((RUNS_KEY, self.peer_id, {**run_info, "run": self.run_id}))
         started = time.monotonic()
         try:
             # exclude_self: the result then says whether another node took the record. A
@@ -279,6 +315,9 @@ class Board:
         self.landed_at = time.monotonic()
         self.landed_lifetime_s = lifetime
         self._published_state = record.state
+        self._landed = record
+        if with_info and results[1]:
+            self._info_expires = expires
         log.info("board publish: %.2f s, ok, lifetime %.0f s", took, lifetime)
         return took
 
