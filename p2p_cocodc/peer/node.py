@@ -124,6 +124,9 @@ def saved_shape(state: dict[str, Any], otherwise: tuple[int, int]) -> tuple[int,
     return tau, n
 
 
+LOBBY_LOOK_S = 0.25  # how often a peer in the lobby reads the board (the heartbeat: once a second)
+
+
 class Peer:
     """One region of a run; ``run`` trains, writes records like ``simulate``, returns the summary."""
 
@@ -489,7 +492,7 @@ class Peer:
                     self._resume_at(decision.resume_step)
                 return decision
             self._check_wait(stop, deadline, decision.reason)
-            await asyncio.sleep(0.2)
+            await self.presence.look(LOBBY_LOOK_S)
 
     def _sync_with(self, shape: tuple[int, int]) -> None:
         """Train with τ, N = ``shape``, the run's (before the first step, or taking a state)."""
@@ -528,7 +531,7 @@ class Peer:
             if isinstance(waiting, lobby.Left):
                 return waiting
             self._check_wait(stop, deadline, waiting.reason)
-            await asyncio.sleep(0.2)
+            await self.presence.look(LOBBY_LOOK_S)
         return None
 
     def _on_signal(self, sig: signal.Signals, stop: asyncio.Event) -> None:

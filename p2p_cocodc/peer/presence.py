@@ -179,6 +179,17 @@ class Presence:
         self._compare_theta()
         self.on_records(fresh)
 
+    async def look(self, pause_s: float) -> None:
+        """Wait ``pause_s``, then read the board: for a peer in the lobby, waiting for the others'
+        records to show up or to say "training". On the heartbeat's reads alone each of those waits
+        took up to a second more (docs/hivemind-baseline.md, join → first step). A read that fails
+        is left to the heartbeat."""
+        await asyncio.sleep(pause_s)
+        try:
+            await self.refresh(publish=False)
+        except ConnectionError as exc:
+            log.info("board read failed while waiting for the others (%s)", exc)
+
     def fastest_step_s(self) -> float:
         """The shortest inner step time a training peer of this run publishes (0: none measured yet):
         what ``--inner-share auto`` compares this peer's own with."""
