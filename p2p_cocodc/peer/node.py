@@ -43,7 +43,14 @@ from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter, committed, r
 from p2p_cocodc.run.loop import ReplicaLoop
 from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.setup import TrainingSetup
-from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap, start_dht, stop_dht
+from p2p_cocodc.swarm.dht import (
+    bootstrap_endings,
+    connect_to,
+    p2pd_socket,
+    parse_bootstrap,
+    start_dht,
+    stop_dht,
+)
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.records import REFRESHES_PER_LIFETIME, Board, PeerRecord, peers_key
 from p2p_cocodc.swarm.run_options import fingerprint, option_view
@@ -124,6 +131,7 @@ def saved_shape(state: dict[str, Any], otherwise: tuple[int, int]) -> tuple[int,
     return tau, n
 
 
+CONNECT_WITHIN_S = 30.0  # for the connections to the others opened as the run starts
 LOBBY_LOOK_S = 0.25  # how often a peer in the lobby reads the board (the heartbeat: once a second)
 
 
@@ -170,6 +178,7 @@ class Peer:
         self.records = Records(None)
         self.presence: Presence | None = None
         self.exchange: FragmentExchange | None = None
+        self.connecting: asyncio.Task[None] | None = None  # ``_connect``, once on the board
         self.state_server: StateServer | None = None
         self.p2p: Any = None
         self.joins_recorded: set[tuple[str, int]] = set()  # (peer, joined_at) written to --out
@@ -302,6 +311,8 @@ class Peer:
         except ConnectionError as exc:
             raise UserError(f"the swarm's DHT does not answer ({exc}); is the bootstrap still up?") from None
         finally:
+            if self.connecting is not None:
+                self.connecting.cancel()
             if self.presence is not None:
                 self.presence.stop()
             self.replica.close()
@@ -329,6 +340,7 @@ class Peer:
         first = await self._first_look(presence)
         await presence.first_refresh(self.membership.key_id)
         presence.start()
+        self.connecting = asyncio.create_task(self._connect(dht))  # from the lobby on
         admitted = await self._wait_for_peers(stop, board, first)
         replica = self.replica
         self.exchange = FragmentExchange(
@@ -418,6 +430,24 @@ class Peer:
             sync_shape=list(self.sync_shape) if self.sync_shape is not None else [],
             **board_fields(self.replica),
         )
+
+    async def _connect(self, dht: Any) -> None:
+        """Open connections to the run's other peers as they show up on the board, from the lobby
+        on, so that no round waits for a dial (``swarm/dht.py``: ``connect_to``). Runs as long as
+        the peer does; a peer that did not answer is tried again at its next look."""
+        assert self.presence is not None
+        reached: set[str] = set()
+        while True:
+            view = self.presence.view
+            live = {p for p, r in view.items() if self._same_run(r) and r.state in lobby.LIVE}
+            others = sorted(live - reached - {self.peer_id})
+            if others and dht.is_alive():  # a dead DHT is the heartbeat's to report
+                started = time.monotonic()
+                newly = await connect_to(dht, others, CONNECT_WITHIN_S)
+                reached.update(newly)
+                took = time.monotonic() - started
+                log.info("connected to %d of %d peers in %.1f s", len(newly), len(others), took)
+            await asyncio.sleep(self.opts.heartbeat_s)
 
     def _on_board(self, fresh: dict[str, PeerRecord]) -> None:
         """A fresh read of the board: a join record for every peer of the run seen training."""
