@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from p2p_cocodc.swarm import records
-from p2p_cocodc.swarm.dht import connect_to, p2pd_socket, rpc_timeout_s, start_dht, stop_dht, store_limit_s
+from p2p_cocodc.swarm.dht import p2pd_socket, rpc_timeout_s, start_dht, stop_dht, store_limit_s
 from p2p_cocodc.swarm.records import Board, PeerRecord
 
 
@@ -134,22 +134,3 @@ def test_the_run_info_rides_along_only_with_a_change_of_state_or_when_half_its_l
         records.peers_key("r"),
         records.RUNS_KEY,
     ]
-
-
-def test_the_dht_pushes_no_cached_copies_and_refreshes_none_behind_the_boards_back(dhts) -> None:
-    """Measured over 2 Mbit/s links: hivemind's cache pushes and refreshes were about a sixth of a
-    peer's traffic between rounds, and the board reads its key itself every heartbeat."""
-    for dht in dhts:
-        assert dht.kwargs["cache_nearest"] == 0 and dht.kwargs["cache_refresh_before_expiry"] == 0
-
-
-def test_a_node_opens_connections_to_the_peers_it_is_given_and_names_those_it_reached(dhts) -> None:
-    """A run's peers are connected before their first round (``Peer._connect``); one that does not
-    answer is left out after the deadline, not waited for forever."""
-    others = [d.peer_id.to_base58() for d in dhts[1:]]
-    absent = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"  # an id no node here holds
-
-    async def main() -> list[str]:
-        return await connect_to(dhts[0], [*others, absent], within_s=3.0)
-
-    assert sorted(asyncio.run(main())) == sorted(others)

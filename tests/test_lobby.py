@@ -27,6 +27,7 @@ class R:
     resume_step: int = -1
     proposed_shape: tuple[int, ...] = ()
     sync_shape: tuple[int, ...] = ()
+    starting_pace: int = 0
 
 
 ME = "bbb"
@@ -607,6 +608,17 @@ def test_a_starting_set_takes_the_largest_overlap_and_the_fewest_sends_of_its_pr
     assert lobby.starting_shape(started, live, (2, 8)) == (4, 6)
     # an older peer's record without a proposal: only the proposals there count
     assert lobby.starting_shape({**view, "ccc": R()}, live, (2, 8)) == (3, 6)
+
+
+def test_a_starting_set_takes_the_widest_pace_its_declared_links_ask_for() -> None:
+    """The pace the run starts with is the largest any member of the starting set asks for (0: none
+    asks, the schedule's own spacing), the same on every member whatever its own wish."""
+    wishes = {"aaa": 48, ME: 0, "ccc": 72}
+    view = {p: R(starting_pace=w) for p, w in wishes.items()}
+    live = tuple(sorted(view))
+    assert {lobby.starting_pace(view, live, own) for own in wishes.values()} == {72}
+    assert lobby.starting_pace({**view, "ddd": R(starting_pace=96)}, live, 0) == 72  # not a starter
+    assert lobby.starting_pace({p: R() for p in view}, live, 0) == 0
 
 
 def test_a_joiner_takes_the_swarms_shape_not_its_own() -> None:

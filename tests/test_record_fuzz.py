@@ -318,6 +318,7 @@ valid_field = {
     "last_round_s": st.just(NONE_YET) | st.floats(-2, 1e9),
     "proposed_shape": st.just([]) | st.lists(st.integers(-1, 2**21), min_size=1, max_size=3),
     "sync_shape": st.just([]) | st.lists(st.integers(-1, 2**21), min_size=2, max_size=2),
+    "starting_pace": st.integers(-1, 2**21),
 }
 assert set(valid_field) == set(FIELDS)
 # every field valid, or hostile: most examples break one or two fields of an otherwise good record
@@ -364,6 +365,7 @@ def check_peer_record(record: PeerRecord | None) -> None:
         assert type(shape) is list and (shape == [] or len(shape) == 2)
         assert all(is_int(x) and x <= MAX_SYNC_SHAPE for x in shape)
         assert shape == [] or (shape[0] >= 0 and shape[1] >= 1)
+    assert is_int(r.starting_pace) and 0 <= r.starting_pace <= MAX_SYNC_SHAPE
     for tally in (r.refused, r.outliers):
         assert type(tally) is dict and len(tally) <= MAX_TALLY
         assert all(type(k) is str and 0 < len(k) <= 64 and is_int(c) and c >= 0 for k, c in tally.items())

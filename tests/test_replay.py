@@ -246,6 +246,9 @@ def test_joins_that_cannot_be_replayed_are_refused_with_one_line(
         ('{"kind": "eval", "step": 8}', "no round records"),
         ('{"kind": "round", "round": "f0:8", "members": [0], "completed": true, "pace": -1}', "'pace'"),
         ('{"kind": "round", "round": "f0:8", "members": [0], "completed": true, "pace": "6"}', "'pace'"),
+        ('{"kind": "start", "pace": -4}', "a start record needs an int 'pace'"),
+        ('{"kind": "start", "pace": 1e9}', "a start record needs an int 'pace'"),
+        ('{"kind": "start"}', "a start record needs an int 'pace'"),
     ],
 )
 def test_malformed_events_are_refused_with_one_line(tmp_path: Path, line: str, message: str) -> None:

@@ -11,9 +11,10 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -262,6 +263,22 @@ def test_peers_with_different_options_refuse_to_train_together(tmp_path: Path) -
     assert "--seed 1 there, 0 here" in logs[0] and "--seed 0 there, 1 here" in logs[1], logs
 
 
+def run_three_peers(tmp_path: Path, boot: Any, argv: Callable[[int], list[str]]) -> list[str]:
+    """Peers 0-2 (``argv(i)``: peer i's command line) run to their end; then every process, the
+    bootstrap's too, is ended. Their logs, once each exited 0."""
+    peers = []
+    try:
+        for i in range(3):
+            peers.append(spawn(argv(i), tmp_path, f"peer{i}.log"))
+        codes = [peer.wait(timeout=180) for peer in peers]
+    finally:
+        for proc in [*peers, boot.proc]:
+            end_group(proc)
+    logs = [(tmp_path / f"peer{i}.log").read_text() for i in range(3)]
+    assert codes == [0, 0, 0], [log[-3000:] for log in logs]
+    return logs
+
+
 def test_peers_that_work_auto_out_differently_train_together_with_the_swarms_overlap_and_sends(
     tmp_path: Path,
 ) -> None:
@@ -284,21 +301,15 @@ def test_peers_that_work_auto_out_differently_train_together_with_the_swarms_ove
     ]
     step_times = ["0.02", "0.03", "0.05"]
     boot = start_bootstrap(tmp_path)
-    peers = []
-    try:
-        for i, step_time in enumerate(step_times):
-            args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *auto, "--step-time", step_time]
-            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "auto", "--pace", "fixed"]
-            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
-        agreed = ["--overlap", "3", "--transmissions", "3"]
-        sim = run_cli(["simulate", "--algo", "cocodc", *fixed, *agreed, "--out", "sim.jsonl"], tmp_path, 120)
-        assert sim.returncode == 0, sim.stderr
-        codes = [peer.wait(timeout=180) for peer in peers]
-    finally:
-        for proc in [*peers, boot.proc]:
-            end_group(proc)
-    logs = [(tmp_path / f"peer{i}.log").read_text() for i in range(3)]
-    assert codes == [0, 0, 0], [log[-3000:] for log in logs]
+
+    def peer(i: int) -> list[str]:
+        args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *auto, "--step-time", step_times[i]]
+        return [*args, "--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "auto", "--pace", "fixed"]
+
+    logs = run_three_peers(tmp_path, boot, peer)
+    agreed = ["--overlap", "3", "--transmissions", "3"]
+    sim = run_cli(["simulate", "--algo", "cocodc", *fixed, *agreed, "--out", "sim.jsonl"], tmp_path, 120)
+    assert sim.returncode == 0, sim.stderr
     summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
     assert [(s["overlap"], s["transmissions"]) for s in summaries] == [(3, 3)] * 3
     assert "syncs with --overlap 3 --transmissions 3 (this peer worked out" not in logs[0]
@@ -306,6 +317,38 @@ def test_peers_that_work_auto_out_differently_train_together_with_the_swarms_ove
     assert "the swarm syncs with --overlap 3 --transmissions 3 (this peer worked out 2 and 7)" in logs[2]
     expected = records(tmp_path / "sim.jsonl")[-1]["global_params_sha256"]
     assert {s["global_params_sha256"] for s in summaries} == {expected}
+
+
+def test_peers_on_a_declared_thin_link_start_paced_and_the_simulator_replays_it(tmp_path: Path) -> None:
+    """Peers whose declared link (--bandwidth-mbps 1) cannot carry a sync every H/N = 4 steps agree
+    in the lobby on a starting pace, so that their first syncs are paced too (before, the first
+    round's result paced only the later ones, and on a thin link the first rounds stalled). The
+    pace is recorded, and ``simulate --events`` replays the run to the same θ̄; without that record
+    the replay's first sync has no round to follow."""
+    options = [*TINY, "--steps", "64", "--step-time", "0.02", "--bandwidth-mbps", "1"]
+    boot = start_bootstrap(tmp_path)
+
+    def peer(i: int) -> list[str]:
+        args = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *options, "--run-id", "paced"]
+        return [*args, "--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--verbose"]
+
+    logs = run_three_peers(tmp_path, boot, peer)
+    outs = [records(tmp_path / f"peer{i}.jsonl") for i in range(3)]
+    starts = {r["pace"] for out in outs for r in out if r["kind"] == "start"}
+    assert len(starts) == 1 and 4 < (pace := starts.pop()) <= 32, starts
+    assert all(f"the swarm starts sending a fragment every {pace} steps" in log for log in logs)
+    first = min(int(r["round"].split(":")[1]) for r in outs[0] if r["kind"] == "round")
+    assert first == pace  # no sync went out at the schedule's own slots 4, 8, ... before it
+    theta = {out[-1]["global_params_sha256"] for out in outs}
+    assert len(theta) == 1
+    replay = ["simulate", "--algo", "cocodc", *options, "--events", "peer0.jsonl", "--out", "replay.jsonl"]
+    sim = run_cli(replay, tmp_path, timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] in theta
+    unpaced = [line for line in (tmp_path / "peer0.jsonl").read_text().splitlines() if '"start"' not in line]
+    (tmp_path / "unpaced.jsonl").write_text("\n".join(unpaced) + "\n")
+    sim = run_cli([*replay[:-4], "--events", "unpaced.jsonl", "--out", "unpaced-replay.jsonl"], tmp_path, 120)
+    assert sim.returncode != 0 and "no record of round" in sim.stderr, sim.stderr
 
 
 def test_a_peer_whose_dht_dies_ends_with_a_clear_message(tmp_path: Path) -> None:

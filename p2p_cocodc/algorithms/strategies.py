@@ -421,6 +421,11 @@ class CoCoDC(Strategy):
     def send_spacing(self) -> int | None:
         return self.schedule.spacing
 
+    def pace_from_start(self, spacing: int) -> None:
+        """Send slots every ``spacing`` steps from the first step on: the pace a swarm agreed before
+        it started (``peer/lobby.py``: ``starting_pace``), so that its first syncs are paced too."""
+        self.schedule.set_spacing(spacing)
+
     def pace_wish(self, busy_per_round_s: float, step_time_s: float) -> int:
         schedule = self.schedule
         return paced_spacing(schedule.base_spacing, self.settings.inner_steps, busy_per_round_s, step_time_s)

@@ -73,6 +73,7 @@ PEER_FIELDS = (
     "last_round_s",
     "proposed_shape",
     "sync_shape",
+    "starting_pace",
 )
 
 

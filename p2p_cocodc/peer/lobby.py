@@ -81,6 +81,8 @@ class Record(Protocol):
     def proposed_shape(self) -> list[int]: ...  # [τ, N] it worked out for itself (or its checkpoint's)
     @property
     def sync_shape(self) -> list[int]: ...  # [τ, N] it trains with ([] until it starts or joins)
+    @property
+    def starting_pace(self) -> int: ...  # the send-slot spacing its declared link asks a start for
 
 
 View = Mapping[str, Record]
@@ -429,6 +431,25 @@ def starting_shape(view: View, live: Iterable[str], own: tuple[int, int]) -> tup
     this peer's proposal ``own`` and those the other peers of ``live`` (``Start.live``) publish."""
     shapes = [own, *(tuple(view[p].proposed_shape) for p in live if p in view and view[p].proposed_shape)]
     return max(s[0] for s in shapes), min(s[1] for s in shapes)
+
+
+def declared_pace(replica: Any, mbps: float, step_time: float | None) -> int:
+    """The send-slot spacing this peer's declared link (``mbps``) keeps up with from the first step,
+    as its first round would ask for it (``SwarmReplica._pace_wish``); 0 for a schedule that is not
+    paced, for a spacing no wider than the schedule's own, or with no step time known before the
+    start (it is measured for --overlap/--transmissions auto, or given by --step-time)."""
+    strategy = replica.strategy
+    if strategy.send_spacing() is None or not step_time:
+        return 0
+    wish = strategy.pace_wish(8.0 * replica.round_bytes() / (mbps * 1e6), step_time)
+    return wish if wish > strategy.send_spacing() else 0
+
+
+def starting_pace(view: View, live: Iterable[str], own: int) -> int:
+    """The send-slot spacing a run starts with (0: the schedule's own): the largest this peer
+    (``own``) and the other peers of ``live`` ask for from their declared links, so that the first
+    syncs are paced as the first round's result would have paced the later ones."""
+    return max([own, *(view[p].starting_pace for p in live if p in view)])
 
 
 def swarm_shape(view: View, donors: Iterable[str]) -> tuple[int, int] | None:

@@ -43,14 +43,7 @@ from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter, committed, r
 from p2p_cocodc.run.loop import ReplicaLoop
 from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.setup import TrainingSetup
-from p2p_cocodc.swarm.dht import (
-    bootstrap_endings,
-    connect_to,
-    p2pd_socket,
-    parse_bootstrap,
-    start_dht,
-    stop_dht,
-)
+from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.records import REFRESHES_PER_LIFETIME, Board, PeerRecord, peers_key
 from p2p_cocodc.swarm.run_options import fingerprint, option_view
@@ -131,8 +124,23 @@ def saved_shape(state: dict[str, Any], otherwise: tuple[int, int]) -> tuple[int,
     return tau, n
 
 
-CONNECT_WITHIN_S = 30.0  # for the connections to the others opened as the run starts
 LOBBY_LOOK_S = 0.25  # how often a peer in the lobby reads the board (the heartbeat: once a second)
+
+
+def start_paced(replica: SwarmReplica, pace: int) -> None:
+    """Start with send slots every ``pace`` steps (``lobby.starting_pace``; 0: the schedule's own),
+    recorded for ``simulate --events``: on a thin link the first syncs would otherwise go out at
+    the schedule's own spacing, before any round's result has paced the swarm, and stall it."""
+    strategy = replica.strategy
+    if pace <= 0 or strategy.send_spacing() is None:
+        return
+    strategy.pace_from_start(pace)  # type: ignore[attr-defined]
+    replica.records.write({"kind": "start", "pace": strategy.send_spacing()})
+    log.warning(
+        "the swarm starts sending a fragment every %d steps: the pace its slowest declared link "
+        "keeps up with (--bandwidth-mbps)",
+        strategy.send_spacing(),
+    )
 
 
 class Peer:
@@ -178,7 +186,6 @@ class Peer:
         self.records = Records(None)
         self.presence: Presence | None = None
         self.exchange: FragmentExchange | None = None
-        self.connecting: asyncio.Task[None] | None = None  # ``_connect``, once on the board
         self.state_server: StateServer | None = None
         self.p2p: Any = None
         self.joins_recorded: set[tuple[str, int]] = set()  # (peer, joined_at) written to --out
@@ -193,6 +200,9 @@ class Peer:
         # τ and N as this peer worked them out (a resumed run: as its checkpoint's run agreed them),
         # then as the swarm agreed them (the lobby's Sync shape rule)
         self.proposed = (self.settings.overlap, self.settings.transmissions)
+        self.proposed_pace = (
+            0 if opts.pace == "fixed" else lobby.declared_pace(self.replica, cfg.bandwidth_mbps, step_time)
+        )
         self.sync_shape: tuple[int, int] | None = None
         if resume is not None:  # it keeps its data shard
             resume.check_data(data)
@@ -311,8 +321,6 @@ class Peer:
         except ConnectionError as exc:
             raise UserError(f"the swarm's DHT does not answer ({exc}); is the bootstrap still up?") from None
         finally:
-            if self.connecting is not None:
-                self.connecting.cancel()
             if self.presence is not None:
                 self.presence.stop()
             self.replica.close()
@@ -340,7 +348,6 @@ class Peer:
         first = await self._first_look(presence)
         await presence.first_refresh(self.membership.key_id)
         presence.start()
-        self.connecting = asyncio.create_task(self._connect(dht))  # from the lobby on
         admitted = await self._wait_for_peers(stop, board, first)
         replica = self.replica
         self.exchange = FragmentExchange(
@@ -427,27 +434,10 @@ class Peer:
             key_id=self.membership.key_id,
             region=self.name,
             proposed_shape=list(self.proposed),
+            starting_pace=self.proposed_pace,
             sync_shape=list(self.sync_shape) if self.sync_shape is not None else [],
             **board_fields(self.replica),
         )
-
-    async def _connect(self, dht: Any) -> None:
-        """Open connections to the run's other peers as they show up on the board, from the lobby
-        on, so that no round waits for a dial (``swarm/dht.py``: ``connect_to``). Runs as long as
-        the peer does; a peer that did not answer is tried again at its next look."""
-        assert self.presence is not None
-        reached: set[str] = set()
-        while True:
-            view = self.presence.view
-            live = {p for p, r in view.items() if self._same_run(r) and r.state in lobby.LIVE}
-            others = sorted(live - reached - {self.peer_id})
-            if others and dht.is_alive():  # a dead DHT is the heartbeat's to report
-                started = time.monotonic()
-                newly = await connect_to(dht, others, CONNECT_WITHIN_S)
-                reached.update(newly)
-                took = time.monotonic() - started
-                log.info("connected to %d of %d peers in %.1f s", len(newly), len(others), took)
-            await asyncio.sleep(self.opts.heartbeat_s)
 
     def _on_board(self, fresh: dict[str, PeerRecord]) -> None:
         """A fresh read of the board: a join record for every peer of the run seen training."""
@@ -517,9 +507,12 @@ class Peer:
                 self.progress.waiting([self.name, *here], self.cfg.workers)
             if isinstance(decision, lobby.Start):
                 self.replica.shard_index = decision.shard
-                self._sync_with(lobby.starting_shape(self.presence.view, decision.live, self.proposed))
+                view, live = self.presence.view, decision.live
+                self._sync_with(lobby.starting_shape(view, live, self.proposed))
                 if decision.resume_step is not None:
                     self._resume_at(decision.resume_step)
+                else:  # a checkpoint holds its run's pace
+                    start_paced(self.replica, lobby.starting_pace(view, live, self.proposed_pace))
                 return decision
             self._check_wait(stop, deadline, decision.reason)
             await self.presence.look(LOBBY_LOOK_S)

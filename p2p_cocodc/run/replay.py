@@ -6,6 +6,8 @@ A peer writes to its ``--out`` file, besides its evaluations:
 - ``{"kind": "join", "shard": 2, "step": 96}`` for every replica it learns of: the replica reading
   data shard 2 starts after step 96 from θ̄ at 96 (step 0: the peers that started the run). A shard
   joins again when its peer crashed and came back; the replica starts afresh each time.
+- ``{"kind": "start", "pace": 48}`` when the peers that started the run agreed on a send-slot
+  spacing before their first step (from their declared links; the last such record counts);
 - ``{"kind": "round", "round": "f2:96", "members": [0, 2], "pace": 6, "completed": true}`` for every
   round it settled: the data shards of the round's group (in member order), the send-slot spacing
   the group agreed on (CoCoDC's paced schedule takes it with the round's result; 0 or absent: none),
@@ -42,6 +44,7 @@ class Events:
 
     rounds: dict[str, RoundRecord]
     joins: dict[int, tuple[int, ...]]
+    start_pace: int = 0  # the send-slot spacing the run started with (0: the schedule's own)
 
 
 def read_events(path: str, data_shards: int) -> Events:
@@ -49,6 +52,7 @@ def read_events(path: str, data_shards: int) -> Events:
     Shards must be below ``data_shards`` (--max-peers); a join recorded twice counts once."""
     rounds: dict[str, RoundRecord] = {}
     joins: dict[int, set[int]] = {}
+    start_pace = 0
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -64,6 +68,12 @@ def read_events(path: str, data_shards: int) -> Events:
             if round_id in rounds:
                 raise UserError(f"--events {path}:{number}: round {round_id} is recorded twice")
             rounds[round_id] = settled
+        elif kind == "start":
+            start_pace = record.get("pace")
+            if not (_is_int(start_pace) and 0 <= start_pace <= MAX_PACE):
+                raise UserError(
+                    f"--events {path}:{number}: a start record needs an int 'pace' in [0, {MAX_PACE}]"
+                )
         elif kind == "join":
             shard, step = record.get("shard"), record.get("step")
             if not (_is_int(shard) and 0 <= shard < data_shards and _is_int(step) and step >= 0):
@@ -74,7 +84,8 @@ def read_events(path: str, data_shards: int) -> Events:
             joins.setdefault(step, set()).add(shard)
     if not rounds:
         raise UserError(f"--events {path}: no round records (write them with join --out)")
-    return Events(rounds, {step: tuple(sorted(shards)) for step, shards in sorted(joins.items())})
+    joined = {step: tuple(sorted(shards)) for step, shards in sorted(joins.items())}
+    return Events(rounds, joined, start_pace)
 
 
 def _round(record: dict, data_shards: int, where: str) -> tuple[str, RoundRecord]:

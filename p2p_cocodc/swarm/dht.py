@@ -7,9 +7,7 @@ to reach a bootstrap turned into one clear line instead of a hang or a traceback
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
-import functools
 import http.client
 import ipaddress
 import json
@@ -306,10 +304,6 @@ def start_dht(
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
     kwargs: dict[str, Any] = {"host_maddrs": listen_maddrs(host, port), "nat_port_map": False}
-    # hivemind's DHT pushes every value a get found to the nearest node lacking it, and re-reads
-    # values it cached before they expire: the board reads its key itself every heartbeat, and every
-    # writer stores to every replica, so both are traffic a thin link pays for nothing
-    kwargs.update(cache_nearest=0, cache_refresh_before_expiry=0)
     if announce:
         kwargs["announce_maddrs"] = listen_maddrs(announce, port, "--announce")
     check_listen_address(host, port)
@@ -354,43 +348,6 @@ def start_dht(
         _left_to_parent.clear()  # forked: later forks must not give up memory those buffers no longer own
         if fresh is not None:  # p2pd has read the key; the validator holds it in memory
             fresh.close()
-
-
-CONNECT_RETRY_S = 0.5  # between a ping that went unanswered and the next
-
-
-async def _ping_until_answered(peer_ids: list[str], within_s: float, _dht: Any, node: Any) -> list[str]:
-    """In the DHT process: ping each peer (hivemind's ``rpc_ping``, which dials it) until it answers
-    or ``within_s`` passes; the peers that answered."""
-    from hivemind.p2p import PeerID
-
-    deadline = time.monotonic() + within_s
-
-    async def reach(peer: str) -> bool:
-        while time.monotonic() < deadline:
-            if await node.protocol.call_ping(PeerID.from_base58(peer)) is not None:
-                return True
-            await asyncio.sleep(CONNECT_RETRY_S)
-        return False
-
-    reached = await asyncio.gather(*(reach(p) for p in peer_ids))
-    return [p for p, ok in zip(peer_ids, reached, strict=True) if ok]
-
-
-async def connect_to(dht: Any, peer_ids: Iterable[str], within_s: float) -> list[str]:
-    """Open this node's libp2p connections to ``peer_ids`` before a round needs them; returns the
-    peers reached within ``within_s``. The DHT's own traffic connects only some pairs of peers; a
-    round's first message to a peer it has no connection to waits for the dial, and on a thin link a
-    dial whose SYN tbf dropped took 8 s (docs/thin-link.md, "Connections before the first round").
-    The DHT process and the exchange share one libp2p daemon, so a ping's connection is the one the
-    exchange's streams use."""
-    ping = functools.partial(_ping_until_answered, list(peer_ids), within_s)
-    future = dht.run_coroutine(ping, return_future=True)
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), within_s + PIPE_MARGIN_S)
-    except TimeoutError:
-        future.cancel()
-        return []
 
 
 SEARCH_ROUNDS = 2  # a search asks the nodes it knows, then those they name (all known, in a small swarm)

@@ -85,6 +85,7 @@ class PeerRecord:
     last_round_s: float = NONE_YET  # how long its latest completed sync took
     proposed_shape: list[int] = field(default_factory=list)  # [τ, N] it worked out (or its checkpoint's)
     sync_shape: list[int] = field(default_factory=list)  # [τ, N] it trains with ([] until it starts)
+    starting_pace: int = 0  # the send-slot spacing its declared link asks a run to start with (0: none)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,6 +129,8 @@ class PeerRecord:
             and all(_is_int(x) and x >= 0 for x in v["versions"])
             and _is_shape(v["proposed_shape"])
             and _is_shape(v["sync_shape"])
+            and _is_int(v["starting_pace"])
+            and 0 <= v["starting_pace"] <= MAX_SYNC_SHAPE
         )
         return cls(**v) if ok else None
 
