@@ -31,6 +31,12 @@ class Link:
     paced: bool = False  # a cocodc peer, whose sends the swarm spaces out when the link lags behind
 
 
+def declared_busy_s(round_bytes: int, mbps: float) -> float:
+    """T before any delivery was measured: the seconds a link of ``mbps`` (as declared) is busy
+    with one round's ``round_bytes``."""
+    return 8.0 * round_bytes / (mbps * 1e6)
+
+
 def sync_shape(
     algo: str,
     inner_steps: int,

@@ -55,6 +55,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from p2p_cocodc.config.derived import declared_busy_s
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.swarm.run_options import differences
 
@@ -441,7 +442,7 @@ def declared_pace(replica: Any, mbps: float, step_time: float | None) -> int:
     strategy = replica.strategy
     if strategy.send_spacing() is None or not step_time:
         return 0
-    wish = strategy.pace_wish(8.0 * replica.round_bytes() / (mbps * 1e6), step_time)
+    wish = strategy.pace_wish(declared_busy_s(replica.round_bytes(), mbps), step_time)
     return wish if wish > strategy.send_spacing() else 0
 
 

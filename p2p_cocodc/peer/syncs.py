@@ -35,6 +35,7 @@ from p2p_cocodc.algorithms.devices import HostCopy, StepTimer, peak_memory_bytes
 from p2p_cocodc.algorithms.inner_share import RegionShare
 from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, PreparedResult
+from p2p_cocodc.config.derived import declared_busy_s
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.models.data import Shard
 from p2p_cocodc.ops.monitoring import PeerMetrics, PeerSample
@@ -377,7 +378,7 @@ class SwarmReplica:
         if self.pace == "fixed" or self.strategy.send_spacing() is None:
             return 0
         measured = self.exchange.link.busy_per_round_s()
-        busy = measured or 8.0 * self.exchange.round_bytes / (self.cfg.bandwidth_mbps * 1e6)
+        busy = measured or declared_busy_s(self.exchange.round_bytes, self.cfg.bandwidth_mbps)
         return self.strategy.pace_wish(busy, self.step_time_s)
 
     async def apply(self, p: int, step: int) -> bool:

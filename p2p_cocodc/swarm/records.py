@@ -223,7 +223,6 @@ class Board:
         self.landed_lifetime_s = ttl_s  # the lifetime that publish carried
         self._lock: asyncio.Lock | None = None
         self._expires = 0.0  # the DHT expiration of the latest record sent
-        self._published_state: str | None = None  # the state of the last record that landed
         self._landed: PeerRecord | None = None  # the last record that landed
         self._info_expires = 0.0  # the DHT expiration of the last run info that landed
 
@@ -273,7 +272,7 @@ class Board:
         # a change of state (training, leaving, done) must reach every replica before the call
         # returns: a peer that leaves shuts its DHT down right after, which would cut the stores
         # still going on in the background, and readers would see "training" until it lapsed
-        everywhere = record.state != self._published_state
+        everywhere = self._landed is None or record.state != self._landed.state
         stores = [(peers_key(self.run_id), self.peer_id, record.to_wire())]
         # the run info (never changes in a run, and carries every option) rides along with a change
         # of state, and when less than half its lifetime is left: not with every record
@@ -317,7 +316,6 @@ class Board:
             )
         self.landed_at = time.monotonic()
         self.landed_lifetime_s = lifetime
-        self._published_state = record.state
         self._landed = record
         if with_info and results[1]:
             self._info_expires = expires
