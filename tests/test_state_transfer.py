@@ -18,6 +18,7 @@ from p2p_cocodc.swarm.state_transfer import (
     Snapshot,
     StateServer,
     StateUnavailable,
+    _ask,
     make_snapshot,
     parse_manifest,
     pull_state,
@@ -25,6 +26,8 @@ from p2p_cocodc.swarm.state_transfer import (
 )
 from p2p_cocodc.swarm.wire import BadMessage
 from tests.local_dhts import local_dhts
+
+LAST = 20  # the donors' run ends at this step (--steps)
 
 
 def sample_state(seed: int = 0) -> dict:
@@ -141,7 +144,7 @@ class Donor:
         self.step = 0
         self.state = state
         self.server = StateServer(
-            p2p, "t", "fp", lambda: self.step, lambda: copy.deepcopy(self.state), chunk_bytes=1024
+            p2p, "t", "fp", lambda: self.step, lambda: copy.deepcopy(self.state), LAST, chunk_bytes=1024
         )
 
     def finish(self, step: int) -> None:
@@ -201,7 +204,9 @@ def ids(donors: list[Donor]) -> list[str]:
 
 def test_a_joiner_takes_the_asked_step_from_several_donors(dhts) -> None:
     async def body(joiner, donors: list[Donor]) -> None:
-        pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=5, margin=2))
+        pulling = asyncio.ensure_future(
+            pull_state(joiner, "t", "fp", ids(donors), step=5, step_time_s=1e3, last=LAST)
+        )
         await asked(donors, 5)
         await train_until(donors, 8)
         pulled = await pulling
@@ -223,7 +228,9 @@ def test_a_corrupted_chunk_is_taken_from_another_donor(dhts) -> None:
             bad[i] ^= 0xFF  # the right manifest, and one flipped byte in every chunk
         liar.copied.add(3)
         liar.snapshots[3].set_result(Snapshot(good.manifest, bytes(bad)))
-        pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=3, margin=2))
+        pulling = asyncio.ensure_future(
+            pull_state(joiner, "t", "fp", ids(donors), step=3, step_time_s=1e3, last=LAST)
+        )
         await asked(donors[1:], 3)
         await train_until(donors, 3)
         pulled = await pulling
@@ -236,8 +243,12 @@ def test_a_corrupted_chunk_is_taken_from_another_donor(dhts) -> None:
 def test_donors_past_the_step_make_the_joiner_ask_further_ahead(dhts) -> None:
     async def body(joiner, donors: list[Donor]) -> None:
         await train_until(donors, 10)
-        pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=4, margin=3))
-        await asked(donors, 13)  # refused at 4 (they are at 10): asked again at 10 + 3
+        pulling = asyncio.ensure_future(
+            pull_state(joiner, "t", "fp", ids(donors), step=4, step_time_s=1e3, last=LAST)
+        )
+        await asked(
+            donors, 13
+        )  # refused at 4 (they are at 10): asked again at 10 + 2 + 1 (a round trip of a step)
         await train_until(donors, 14)
         pulled = await pulling
         assert pulled.step == 13
@@ -245,9 +256,42 @@ def test_donors_past_the_step_make_the_joiner_ask_further_ahead(dhts) -> None:
     with_donors(dhts, [sample_state(), sample_state()], body)
 
 
+def test_a_joiner_asks_no_step_past_the_runs_last(dhts) -> None:
+    """Asked past the run's end (a board step plus a margin), the joiner takes the state at the run's last
+    step: a donor never waits for a step its run does not reach."""
+
+    async def body(joiner, donors: list[Donor]) -> None:
+        await train_until(donors, 15)
+        pulling = asyncio.ensure_future(
+            pull_state(joiner, "t", "fp", ids(donors), step=40, step_time_s=1e3, last=LAST)
+        )
+        await asked(donors, LAST)
+        await train_until(donors, LAST)
+        pulled = await pulling
+        assert pulled.step == LAST
+        refused = await _ask(
+            joiner, "t", ids(donors)[0], {"want": "manifest", "step": LAST + 1, "fingerprint": "fp"}
+        )
+        assert isinstance(refused, dict) and refused["ok"] is False, refused
+        assert refused["detail"] == f"the run ends at step {LAST}", refused
+
+    with_donors(dhts, [sample_state(), sample_state()], body)
+
+
+def test_a_joiner_after_the_runs_last_step_is_told_the_run_ended(dhts) -> None:
+    async def body(joiner, donors: list[Donor]) -> None:
+        await train_until(donors, LAST)
+        with pytest.raises(StateUnavailable, match=rf"the run ended \(step {LAST}\)"):
+            await pull_state(joiner, "t", "fp", ids(donors), step=12, step_time_s=1e3, last=LAST)
+
+    with_donors(dhts, [sample_state(), sample_state()], body)
+
+
 def test_donors_that_disagree_are_refused(dhts) -> None:
     async def body(joiner, donors: list[Donor]) -> None:
-        pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", ids(donors), step=2, margin=2))
+        pulling = asyncio.ensure_future(
+            pull_state(joiner, "t", "fp", ids(donors), step=2, step_time_s=1e3, last=LAST)
+        )
         await asked(donors, 2)
         await train_until(donors, 2)
         with pytest.raises(StateUnavailable, match="split"):

@@ -17,7 +17,6 @@ import asyncio
 import enum
 import hashlib
 import logging
-import math
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -45,7 +44,7 @@ from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.setup import TrainingSetup
 from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange
-from p2p_cocodc.swarm.records import REFRESHES_PER_LIFETIME, Board, PeerRecord, peers_key
+from p2p_cocodc.swarm.records import Board, PeerRecord, peers_key
 from p2p_cocodc.swarm.run_options import fingerprint, option_view
 from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
 from p2p_cocodc.swarm.trust import Membership, check_identity
@@ -374,6 +373,7 @@ class Peer:
                 self.fingerprint,
                 lambda: replica.step,
                 replica.shared_state,
+                self.cfg.steps,
                 admits=self.exchange.is_member,  # the same peers the exchange hears, bans included
             )
             await self.state_server.start()
@@ -611,19 +611,24 @@ class Peer:
             self._check_wait(stop, deadline, found.reason, where)
             await asyncio.sleep(0.2)
         view = presence.view
-        step_time = max(max(view[d].step_time_s for d in donors), 1e-3)
-        # a donor's step on the board is as old as its record's refresh (``Board.due``) and our read
-        stale_s = max(view[d].ttl_s for d in donors) / REFRESHES_PER_LIFETIME + 2 * self.opts.heartbeat_s
-        margin = max(2, math.ceil(stale_s / step_time))
-        ahead = max(view[d].step for d in donors) + margin
+        step_time = max(view[d].step_time_s for d in donors)
+        # a donor's step on the board is as old as its record's refresh (``Board.due``) and our read:
+        # a donor past it answers with the step it is at, and the next ask goes just beyond that
+        ahead = min(max(view[d].step for d in donors) + 2, self.cfg.steps)
+        joining = replica.train_started is None
+        if joining:
+            lobby.check_steps_left(ahead, self._seat())  # before a pull that leaves nothing to train
         try:
             # a donor may take minutes to answer (it waits to reach the step asked, or it is stopped):
             # a signal must not wait for it
-            pull = pull_state(self.p2p, self.opts.run_id, self.fingerprint, donors, ahead, margin)
+            pull = pull_state(
+                self.p2p, self.opts.run_id, self.fingerprint, donors, ahead, step_time, self.cfg.steps
+            )
             pulled = await unless_stopped(pull, stop, lambda: self._check_stop(stop, where))
         except StateUnavailable as exc:
             raise UserError(f"could not take the swarm's state in run {self.opts.run_id!r}: {exc}") from None
-        lobby.check_steps_left(pulled.step, self._seat())
+        if joining:  # a peer taking the state again may take the run's last one: it ends with the swarm's θ̄
+            lobby.check_steps_left(pulled.step, self._seat())
         replica.join_from(pulled.state, pulled.step)
         await self._become(Lifecycle.TRAINING)
         self._record_join(self.peer_id, replica.joined_at)

@@ -235,7 +235,9 @@ class StateServer:
     """Serves this peer's shared state at the steps joiners ask for.
 
     ``current_step()`` is the last inner step this peer finished; ``shared_state()`` returns a copy
-    of its shared state (called on the event loop at a step boundary, while training waits)."""
+    of its shared state (called on the event loop at a step boundary, while training waits);
+    ``last_step`` is the run's last step (--steps): a step past it is refused at once, never waited
+    for."""
 
     def __init__(
         self,
@@ -244,10 +246,12 @@ class StateServer:
         fingerprint: str,
         current_step: Callable[[], int],
         shared_state: Callable[[], Any],
+        last_step: int,
         chunk_bytes: int = CHUNK_BYTES,
         admits: Callable[[str], bool] = lambda peer: True,
     ) -> None:
         self.p2p = p2p
+        self.last_step = last_step
         self.admits = admits  # whether a peer is a member of the run (``FragmentExchange.is_member``)
         self.limiter = PeerLimiter(Limits(messages_per_s=20.0, burst=40.0, streams=2 * STREAMS_PER_DONOR))
         self.chunk_bytes = chunk_bytes
@@ -355,6 +359,8 @@ class StateServer:
         future = self.snapshots.get(step)
         if future is None:
             current = self.current_step()
+            if step > self.last_step:
+                return self._refuse(f"the run ends at step {self.last_step}")
             if step <= current or step - current > MAX_STEPS_AHEAD:
                 return self._refuse(f"this peer is at step {current}")
             if len(self.snapshots) >= MAX_SNAPSHOTS:
@@ -400,22 +406,26 @@ class Pulled:
 
 
 async def pull_state(
-    p2p: Any, run_id: str, fingerprint: str, donors: list[str], step: int, margin: int
+    p2p: Any, run_id: str, fingerprint: str, donors: list[str], step: int, step_time_s: float, last: int
 ) -> Pulled:
-    """The shared state at a step boundary ≥ ``step`` that every asked donor agrees on.
+    """The shared state at a step boundary ≥ ``step`` (and ≤ ``last``, the run's last step) that every
+    asked donor agrees on.
 
-    Asks every donor for its manifest at ``step``; if one is already past it, tries again ``margin``
-    steps beyond the furthest. Needs the manifests of min(2, donors) donors, all with one digest
-    (θ̄ is bit-identical on live peers: a disagreement means a split swarm, never papered over)."""
+    Asks every donor for its manifest at ``step``. A donor already past it answers with the step it
+    is at: the next ask goes that far plus the steps (``step_time_s`` each) that two of that answer's
+    round trips take, never past ``last`` (a donor would wait for a step its run never reaches, and
+    end before it answers). Needs the manifests of min(2, donors) donors, all with one digest (θ̄ is
+    bit-identical on live peers: a disagreement means a split swarm, never papered over)."""
     started = time.perf_counter()
     need = min(2, len(donors))
+    step = min(step, last)
     for attempt in range(ATTEMPTS):
         ask = {"want": "manifest", "step": step, "fingerprint": fingerprint}
-        answers = await asyncio.gather(*(_ask(p2p, run_id, d, ask) for d in donors))
+        answers = await asyncio.gather(*(_timed_ask(p2p, run_id, d, ask) for d in donors))
         manifests: dict[str, dict[str, Any]] = {}
-        past = []
+        past: list[tuple[int, float]] = []  # (the step a donor is at, how long its answer took)
         reasons = []
-        for donor, answer in zip(donors, answers, strict=True):
+        for donor, (answer, seconds) in zip(donors, answers, strict=True):
             if isinstance(answer, str):
                 reasons.append(f"{donor[:12]}: {answer}")
             elif answer.get("ok") is True:
@@ -427,9 +437,12 @@ async def pull_state(
                 at = answer.get("step")
                 reasons.append(f"{donor[:12]}: {str(answer.get('detail'))[:200]}")
                 if is_index(at) and at >= step:
-                    past.append(at)
+                    past.append((at, seconds))
         if past:
-            step = max(past) + margin
+            furthest, seconds = max(past)
+            if furthest >= last:
+                raise StateUnavailable(f"the run ended (step {last}) before its state could be taken")
+            step = min(furthest + 2 + math.ceil(2 * seconds / max(step_time_s, 1e-3)), last)
             continue
         if len(manifests) < need:
             if attempt < ATTEMPTS - 1:  # slowed down, or busy with other joiners: ask again
@@ -480,6 +493,15 @@ async def _download(p2p: Any, run_id: str, donors: list[str], manifest: dict[str
         missing = len(hashes) - len(chunks)
         raise StateUnavailable(f"{missing} chunks of the state could not be had from any donor")
     return b"".join(chunks[i] for i in range(len(hashes)))[: manifest["size"]]
+
+
+async def _timed_ask(
+    p2p: Any, run_id: str, donor: str, ask: dict[str, Any]
+) -> tuple[dict[str, Any] | str, float]:
+    """``_ask``, and the seconds its answer took."""
+    started = time.perf_counter()
+    answer = await _ask(p2p, run_id, donor, ask)
+    return answer, time.perf_counter() - started
 
 
 async def _ask(p2p: Any, run_id: str, donor: str, ask: dict[str, Any]) -> dict[str, Any] | str:
