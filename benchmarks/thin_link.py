@@ -23,6 +23,11 @@ own libp2p connections, so it tells the link's delay apart from delay inside the
     python benchmarks/thin_link.py --mbps 2 --repeat 5 --busy   # one θ̄ every time, a core kept busy
     python benchmarks/thin_link.py --mbps 2 --repeat 3 --busy --undeclared   # as a new user runs it
     python benchmarks/thin_link.py --profile thin --overlap auto --transmissions auto --steps 96
+    python benchmarks/thin_link.py --mbps 30 --rtt-ms 100 --narrow-to 2 --steps 480 --undeclared
+
+``--narrow-to MBIT`` re-shapes every link to MBIT Mbit/s while the peers train, once peer 0 has
+settled ``--narrow-after`` rounds; the report then gives each peer's stall before the narrowing,
+in the rounds right after it, and over the last third of the run (from its evaluation records).
 
 ``--busy`` keeps one core of the host busy beside the peers (as other work on a shared machine
 does), ``--repeat N`` runs each rate N times; the last line counts the runs that ended with one θ̄.
@@ -331,6 +336,24 @@ def records(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def stall_shares(evals: list[dict[str, Any]], narrowed: dict | None, steps: int) -> dict[str, float]:
+    """A peer's stalled share of wall time from its evaluation records: before the links narrowed,
+    from then on, and over the run's last third (``whole`` without a narrowing)."""
+
+    def share(lo: int, hi: int) -> float:
+        inside = [e for e in evals if lo <= e["step"] <= hi]
+        if len(inside) < 2:
+            return float("nan")
+        first, last = inside[0], inside[-1]
+        wall = last["wall_time_s"] - first["wall_time_s"]
+        return round((last["stall_s"] - first["stall_s"]) / wall, 3) if wall > 0 else float("nan")
+
+    if narrowed is None:
+        return {"whole": share(0, steps), "last_third": share(steps * 2 // 3, steps)}
+    at = narrowed["after_step"]
+    return {"before": share(0, at), "after": share(at, steps), "last_third": share(steps * 2 // 3, steps)}
+
+
 def notable(log: Path) -> list[str]:
     """Warning and error lines of a peer's log (hivemind's and ours), without repeats of one text."""
     seen, kept = set(), []
@@ -397,7 +420,19 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
                 probe = Logged(net, a.ns, probe_argv, rundir / "dht_probe.log", t0)
             started = time.monotonic()
             timed_out = False
+            narrowing = args.narrow_to is not None
             while [p.poll() for p in peers].count(None):  # polls each: its end time is kept
+                settled = [r for r in records(rundir / "peer0.jsonl") if r.get("kind") == "round"]
+                if narrowing and len(settled) >= args.narrow_after:
+                    net.reshape(args.narrow_to)
+                    narrowing = False
+                    result["narrowed"] = {
+                        "to_mbps": args.narrow_to,
+                        "t": round(time.monotonic() - t0, 1),
+                        "after_step": max(r["step"] for r in settled),
+                    }
+                    print(f"[{mbps:g} Mbit/s] narrowed to {args.narrow_to:g} Mbit/s after step "
+                          f"{result['narrowed']['after_step']}")  # fmt: skip
                 if time.monotonic() - started > args.timeout:
                     timed_out = True
                     cut = [p for p in peers if p.poll() is None]
@@ -443,6 +478,7 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
                     if summary
                     else max([e["step"] for e in evals] + [board.get(node.index, (0, 0))[1]]),
                     "stall_s": round((summary or (evals[-1] if evals else {})).get("stall_s", 0.0), 1),
+                    "stall_shares": stall_shares(evals, result.get("narrowed"), args.steps),
                     "rounds_done": summary.get("rounds_done") if summary else None,
                     "rounds_failed": summary.get("rounds_failed") if summary else None,
                     "final_val_ppl": summary.get("final_val_ppl") if summary else None,
@@ -516,6 +552,15 @@ def report(result: dict[str, Any]) -> str:
                 f"\nbystander DHT {what}: {len(took)} calls, median {took[len(took) // 2]:.2f} s, "
                 f"max {took[-1]:.2f} s, {failed} failed"
             )
+    if "narrowed" in result:
+        n = result["narrowed"]
+        lines.append(
+            f"\nnarrowed to {n['to_mbps']:g} Mbit/s at {n['t']} s, after peer 0's step {n['after_step']}"
+        )
+    lines.append("stalled share of wall time, by part of the run: " + "; ".join(
+        f"peer {p['peer']} " + ", ".join(f"{k} {v:.1%}" for k, v in p["stall_shares"].items())
+        for p in result["peers"]
+    ))  # fmt: skip
     for p in result["peers"]:
         lines += ["", f"peer {p['peer']}: warnings and errors", *("    " + x for x in p["notable"][:12])]
         lines += [f"peer {p['peer']}: last lines", *("    " + x for x in p["last_lines"])]
@@ -542,6 +587,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each rate")
     parser.add_argument("--busy", action="store_true", help="keep one core busy beside the peers")
     parser.add_argument("--undeclared", action="store_true", help="peers do not declare their link rate")
+    parser.add_argument("--narrow-to", type=float, help="re-shape the links to this many Mbit/s mid-run")
+    parser.add_argument(
+        "--narrow-after", type=int, default=4, help="rounds peer 0 settles before --narrow-to"
+    )
     parser.add_argument(
         "--dht-probe",
         action="store_true",

@@ -133,6 +133,8 @@ class ThinNet:
     rtt_ms: float
     switch: str  # the switch namespace
     switch_address: str | None
+    mtu: int
+    latency_ms: float  # tbf's: the longest a packet waits in a link's queue
     nodes: list[Node] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)  # every namespace made, in order
     interfaces: list[str] = field(default_factory=list)  # every interface made (any namespace)
@@ -157,18 +159,35 @@ class ThinNet:
     def run_in(self, where: Node | str, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return subprocess.run([*self.prefix(where), *argv], **kwargs)
 
+    def reshape(self, mbit: float) -> None:
+        """Every link to ``mbit`` Mbit/s each way from now on, while the processes on it run (the
+        links keep their MTU and delay)."""
+        if mbit <= 0:
+            raise ValueError(f"mbit must be positive, got {mbit}")
+        for node in self.nodes:
+            _shape(node.ns, node.iface, mbit, self.latency_ms, self.mtu, "change")
+            _shape(self.switch, self.port_of(node), mbit, self.latency_ms, self.mtu, "change")
+        self.mbit = mbit
+
+    def port_of(self, node: Node) -> str:
+        """The switch's interface of ``node``'s link."""
+        return f"{PREFIX}{self.suffix}s{node.index}"
+
 
 def link_mtu(mbit: float) -> int:
     """1500 bytes, or what ``mbit`` Mbit/s sends in 0.5 ms where that is more (at most 65000)."""
     return min(65000, max(MTU, int(mbit * 1e6 / 8 * 0.0005)))
 
 
-def _shape(ns: str, iface: str, mbit: float, latency_ms: float) -> None:
-    """tbf on ``iface``'s egress: ``mbit`` Mbit/s, a burst of a few ms (at least a few packets),
-    packets dropped after ``latency_ms`` in the queue."""
+def _shape(ns: str, iface: str, mbit: float, latency_ms: float, mtu: int, verb: str = "add") -> None:
+    """tbf on ``iface``'s egress: ``mbit`` Mbit/s, a burst of a few ms (at least a few packets of
+    ``mtu`` bytes), packets dropped after ``latency_ms`` in the queue; ``verb`` "change" re-shapes a
+    link that has one."""
     rate_bytes = mbit * 1e6 / 8
-    burst = max(int(rate_bytes * 0.004), 4 * (link_mtu(mbit) + 14))
-    _tc(ns, *f"qdisc add dev {iface} root tbf rate {mbit}mbit burst {burst} latency {latency_ms}ms".split())
+    burst = max(int(rate_bytes * 0.004), 4 * (mtu + 14))
+    _tc(
+        ns, *f"qdisc {verb} dev {iface} root tbf rate {mbit}mbit burst {burst} latency {latency_ms}ms".split()
+    )
 
 
 def _tun(ns: str, name: str, mtu: int) -> None:
@@ -256,8 +275,10 @@ def thin_network(
         rtt_ms=rtt_ms,
         switch=f"{base}sw",
         switch_address=f"{subnet}.254" if switch_address else None,
+        mtu=link_mtu(mbit),
+        latency_ms=latency_ms,
     )
-    mtu = link_mtu(mbit)
+    mtu = net.mtu
     try:
         _ip("netns", "add", net.switch)
         net.namespaces.append(net.switch)
@@ -271,7 +292,7 @@ def thin_network(
         links = []
         for i in range(n):
             node = Node(i, f"{base}n{i}", f"{base}e{i}", f"{subnet}.{i + 1}")
-            port = f"{base}s{i}"
+            port = net.port_of(node)
             _ip("netns", "add", node.ns)
             net.namespaces.append(node.ns)
             _ip("-n", node.ns, "link", "set", "lo", "up")
@@ -280,8 +301,8 @@ def thin_network(
             net.interfaces += [port, node.iface]
             _ip("-n", node.ns, "addr", "add", f"{node.address}/24", "dev", node.iface)
             _ip("-n", net.switch, "route", "add", f"{node.address}/32", "dev", port)
-            _shape(node.ns, node.iface, mbit, latency_ms)  # what the node sends
-            _shape(net.switch, port, mbit, latency_ms)  # what the node receives
+            _shape(node.ns, node.iface, mbit, latency_ms, mtu)  # what the node sends
+            _shape(net.switch, port, mbit, latency_ms, mtu)  # what the node receives
             links += [node.ns, node.iface, net.switch, port]
             net.nodes.append(node)
         _start_relay(net, links)

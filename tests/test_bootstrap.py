@@ -347,3 +347,42 @@ def test_state_dir_and_explicit_files_win_over_the_default_folder(
     assert not (tmp_path / "unused").exists()
     with pytest.raises(UserError, match="--state-dir /dev/null is a file, not a folder"):
         bootstrap_options({}, {"state_dir": "/dev/null"}, "x").validate()
+
+
+def test_a_stop_whose_cancel_a_dht_call_swallowed_still_exits_0(monkeypatch) -> None:
+    """The schedule of a CI failure: SIGTERM to the bootstrap's group cancels the serving loop while
+    a board read is under way, the read swallows the cancel (3.11's ``wait_for`` can, when its inner
+    call ends at the same moment), and the DHT process, signalled too, is gone when the loop looks
+    again: that is a stop (0), not the DHT's death (1, after ``DEAD_GRACE_S``)."""
+    from p2p_cocodc.ops import bootstrap
+
+    class GoneWithTheGroup:
+        alive = True
+
+        def is_alive(self) -> bool:
+            return self.alive
+
+    dht = GoneWithTheGroup()
+    reading = asyncio.Event()
+
+    async def swallowing_read(*args: Any) -> bool:
+        reading.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            dht.alive = False  # the same signal ended the DHT process
+        return False
+
+    async def main() -> int:
+        task = asyncio.ensure_future(bootstrap.watch(dht, "me", bootstrap.Snapshot({}), 0.01))
+        await reading.wait()
+        task.cancel()  # what the stop signal's handler does
+        return await asyncio.wait_for(task, 2 * bootstrap.DEAD_GRACE_S)
+
+    monkeypatch.setattr(bootstrap, "refresh", swallowing_read)
+    handlers = {sig: signal.getsignal(sig) for sig in bootstrap.STOP_SIGNALS}
+    try:
+        assert asyncio.run(main()) == 0
+    finally:
+        for sig, handler in handlers.items():  # watch() sets its own, then ignores both on its way out
+            signal.signal(sig, handler)

@@ -98,15 +98,11 @@ def test_honest_peers_shut_out_a_stranger_screen_bad_gradients_and_ban_a_floodin
         assert set(s["theta_disputed"]) <= {flooder}  # banned, it could only split off
 
 
-def test_a_peer_whose_syncs_all_fail_stops_with_an_error_and_a_summary_that_says_so(tmp_path: Path) -> None:
-    """Two peers, one of them broken (every outer gradient it sends is NaN): every sync fails on both
-    alike. Each says so while it runs, stops once the syncs of every fragment have failed
-    ``FAILING_STREAK`` times in a row, and exits non-zero with one line; its --out ends with a
-    summary whose ``failure`` says why. Never the success line."""
-    from p2p_cocodc.peer.syncs import FAILING_STREAK
-
+def run_with_a_broken_peer(tmp_path: Path, steps: int) -> list[tuple[int, str, dict]]:
+    """Two peers, one of them broken (every outer gradient it sends is NaN, so every sync fails on
+    both alike): (exit code, output, last --out record) of the honest one and the broken one."""
     boot = start_bootstrap(tmp_path)
-    options = [*TINY_MODEL, "--workers", "2", "--steps", "400", *TINY_SYNCS, "--threads", "1", "--quiet"]
+    options = [*TINY_MODEL, "--workers", "2", "--steps", str(steps), *TINY_SYNCS, "--threads", "1", "--quiet"]
     join = ["join", "--bootstrap", boot.host_port, "--run-id", "broken", *options, "--pace", "fixed"]
     procs = [boot.proc]
     try:
@@ -117,15 +113,37 @@ def test_a_peer_whose_syncs_all_fail_stops_with_an_error_and_a_summary_that_says
     finally:
         for proc in procs:
             end_group(proc)
+    ends = []
     for name, code in zip(("honest", "broken"), codes, strict=True):
         output = (tmp_path / f"{name}.log").read_text()
         assert code == 2, output[-3000:]
-        assert "Traceback" not in output and "final val ppl" not in output
+        assert "Traceback" not in output and "final val ppl" not in output  # never the success line
         assert "failed on every peer" in output  # said while running
+        ends.append((code, output, records(tmp_path / f"{name}.jsonl")[-1]))
+    return ends
+
+
+def test_a_peer_whose_syncs_all_fail_stops_with_an_error_and_a_summary_that_says_so(tmp_path: Path) -> None:
+    """Every sync fails on both peers alike. Each says so while it runs, stops once the syncs of
+    every fragment have failed ``FAILING_STREAK`` times in a row, and exits non-zero with one line;
+    its --out ends with a summary whose ``failure`` says why."""
+    from p2p_cocodc.peer.syncs import FAILING_STREAK
+
+    for _, output, summary in run_with_a_broken_peer(tmp_path, 400):
         error = output.strip().splitlines()[-1]
         fragments = 2
         assert error.startswith("error: stopped after step "), error
         assert f"the last {FAILING_STREAK * fragments} syncs all failed" in error, error
-        summary = records(tmp_path / f"{name}.jsonl")[-1]
         assert summary["kind"] == "summary" and summary["failure"] in error
         assert summary["steps"] < 400 and summary["rounds_done"] == 0
+
+
+def test_a_run_that_ends_before_its_failing_syncs_stop_it_is_no_success(tmp_path: Path) -> None:
+    """A run too short for the failing streak (16 steps: four syncs, fewer than ``FAILING_STREAK``
+    per fragment) reaches its last step with no sync completed: it trained alone, and it says so
+    with an error, not the success line."""
+    for _, output, summary in run_with_a_broken_peer(tmp_path, 16):
+        error = output.strip().splitlines()[-1]
+        assert error.startswith("error: ran to step 16: none of this peer's "), error
+        assert "syncs completed" in error and summary["failure"] in error, error
+        assert summary["steps"] == 16 and summary["rounds_done"] == 0 and summary["rounds_failed"] > 0

@@ -334,7 +334,8 @@ def report_peer(summary: dict[str, Any], steps: int) -> None:
         named = ", ".join(f"{peer} (after step {step})" for peer, step in summary["theta_disputed"].items())
         click.echo(f"warning: θ̄ differed between this peer and {named}", err=True)
     if summary["failure"] is not None:
-        raise UserError(f"stopped after step {summary['steps']}: {summary['failure']}")
+        ended = "stopped after" if summary["steps"] < steps else "ran to"
+        raise UserError(f"{ended} step {summary['steps']}: {summary['failure']}")
     if summary["theta_behind_step"] is not None:
         raise UserError(
             f"θ̄ after step {summary['theta_behind_step']} differs from the one a majority of the peers hold, "

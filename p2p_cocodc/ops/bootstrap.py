@@ -354,6 +354,8 @@ async def watch(
     history, endings = History(), Endings()
     try:
         while True:
+            if task.cancelling():  # a stop signal whose cancel a DHT call swallowed (3.11's wait_for can)
+                return 0  # the DHT may be gone by the same signal (sent to the group): not a death
             snapshot.dht_alive = dht.is_alive()
             if not snapshot.dht_alive:
                 if dead_since is None:

@@ -550,7 +550,7 @@ class SwarmReplica:
     def unfinished(self, failure: str | None) -> str | None:
         """Why this peer's θ̄ is not a finished run's (its --save goes to a partial folder), if it is not."""
         assert self.presence is not None
-        if failure is not None:
+        if (failure := failure_at_end(self, failure)) is not None:
             return failure
         if self.presence.split_from is not None or self.presence.unsettled is not None:
             return "its θ̄ is not the one the swarm holds"
@@ -560,6 +560,26 @@ class SwarmReplica:
 
     def summary_fields(self, failure: str | None) -> dict[str, Any]:
         return peer_summary(self, failure)
+
+
+def failure_at_end(replica: SwarmReplica, failure: str | None) -> str | None:
+    """Why the run failed: the loop's reason, or, for a run that reached --steps though none of its
+    syncs completed (too few failed in a row for ``SyncsFailing``), that it never trained with the
+    swarm: such a run must not report success."""
+    assert replica.exchange is not None
+    stats = replica.exchange.stats
+    if (
+        failure is None
+        and replica.step >= replica.cfg.steps
+        and stats.rounds_failed
+        and not stats.rounds_done
+    ):
+        return (
+            f"none of this peer's {stats.rounds_failed} syncs completed (each failed on every peer and was "
+            "skipped), so it never trained with the swarm. Declare a thin link's speed (--bandwidth-mbps) "
+            "so the rounds' deadlines allow for it, and check that the peers reach each other"
+        )
+    return failure
 
 
 def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
@@ -603,7 +623,7 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         if presence.unsettled is not None
         else None,
         "theta_behind_step": presence.split_from.step if presence.split_from is not None else None,
-        "failure": failure,
+        "failure": failure_at_end(replica, failure),
         "stopped_by": replica.stopped_by,
     }
 
