@@ -147,11 +147,13 @@ class AdaptiveSchedule:
         self.spacing = min(max(spacing, self.base_spacing), MAX_PACE_PERIODS * self.inner_steps)
 
     def overlap(self, configured: int) -> int:
-        """τ of a sync sent now. Paced (h > ⌊H/N⌋), a sync gets the link time its pace was asked for:
-        τ' = max(τ, ⌊h / 1.25⌋) steps, less than h, so one sync lands before the next is sent."""
+        """τ of a sync sent now. Paced (h > ⌊H/N⌋), a sync gets its whole slot: τ' = max(τ, h − 1)
+        steps, so it lands the step before the next one is sent. The pace asked for 1.25× the link's
+        busy time per round (``paced_spacing``); the rest of the slot covers what the busy time
+        leaves out: the round's messages before and between the transfers, and the members' skew."""
         if self.spacing == self.base_spacing:
             return configured
-        return max(configured, math.floor(self.spacing / PACE_HEADROOM))
+        return max(configured, self.spacing - 1)
 
     def state_dict(self) -> dict[str, Any]:
         """The slot spacing; send steps, sent flags and drift estimates per fragment (plain Python
