@@ -108,3 +108,25 @@ def test_a_frame_announcing_more_than_the_limit_is_refused_before_it_is_read() -
         assert "limit" in str(exc)
     else:
         raise AssertionError("a 2 GiB frame was accepted")
+
+
+def test_a_frame_on_a_slow_link_is_given_the_time_its_size_takes_there() -> None:
+    """A body of about 1,250 bytes that arrives 1 s after its header: over the default 10 Mbit/s allowance
+    (0.2 s + 1 ms) the read gives up; over a link measured at 0.001 Mbit/s (0.2 s + 10 s) it waits
+    for it. Timers fire in deadline order, so the outcome does not depend on this machine's load."""
+    payload = b"\x00" * 1230  # any frame of about 1,250 bytes: only its timing matters
+    raw_body = msgpack.packb({"code": int(Code.JOIN), "pad": payload})
+
+    async def read(link_mbps: float | None) -> dict | str:
+        reader = asyncio.StreamReader()
+        reader.feed_data(len(raw_body).to_bytes(4, "big"))
+        asyncio.get_running_loop().call_later(1.0, reader.feed_data, raw_body)
+        try:
+            if link_mbps is None:
+                return await read_frame(reader, 0.2)
+            return await read_frame(reader, 0.2, link_mbps=link_mbps)
+        except BadMessage as exc:
+            return str(exc)
+
+    assert asyncio.run(read(None)) == "no complete message within 0 s"
+    assert asyncio.run(read(0.001)) == {"code": int(Code.JOIN), "pad": payload}

@@ -528,9 +528,8 @@ class FragmentExchange:
             _, _, writer = await asyncio.wait_for(
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(to), self.protocol), MESSAGE_TIMEOUT_S
             )
-            await asyncio.wait_for(
-                write_frame(writer, message.to_wire()), MESSAGE_TIMEOUT_S + transfer_allowance_s(size)
-            )
+            allowance = transfer_allowance_s(size, self.current_deadlines().slowest_link_mbps)
+            await asyncio.wait_for(write_frame(writer, message.to_wire()), MESSAGE_TIMEOUT_S + allowance)
             self.stats.record_send(size, time.perf_counter() - started)
             return True
         except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base; the machine re-sends
@@ -552,14 +551,15 @@ class FragmentExchange:
 
         def reserve(size: int) -> None:
             nonlocal reserved
-            over = self.limiter.reserve(sender, size)
-            if over is not None:
+            if (over := self.limiter.reserve(sender, size)) is not None:
                 self._note_refusal(sender, over, strike=True)
                 raise BadMessage(over)
             reserved = size
 
+        link = self.current_deadlines().slowest_link_mbps  # measured or declared: a slow one's time
         try:
-            message = parse_message(await read_frame(reader, MESSAGE_TIMEOUT_S, self.max_frame, reserve))
+            frame = await read_frame(reader, MESSAGE_TIMEOUT_S, self.max_frame, reserve, link)
+            message = parse_message(frame)
         except BadMessage as exc:
             log.warning("bad message from %s: %s", sender[:12], exc)
             self.stats.messages_rejected += 1

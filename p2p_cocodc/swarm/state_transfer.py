@@ -513,6 +513,10 @@ async def _ask(p2p: Any, run_id: str, donor: str, ask: dict[str, Any]) -> dict[s
         _, reader, writer = await asyncio.wait_for(
             p2p.call_binary_stream_handler(PeerID.from_base58(donor), state_protocol(run_id)), ASK_TIMEOUT_S
         )
+        if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            # cancelled as the stream opened: 3.11's wait_for then returns the stream and drops the
+            # cancel, and a stopped joiner waited out the ask to a frozen donor (30 s)
+            raise asyncio.CancelledError
         await asyncio.wait_for(write_frame(writer, ask), ASK_TIMEOUT_S)
         wait = SNAPSHOT_WAIT_S + ASK_TIMEOUT_S if ask["want"] == "manifest" else ASK_TIMEOUT_S
         return await read_frame(reader, wait)

@@ -19,9 +19,10 @@ MAX_FRAME = 1 << 30  # 1 GiB: a slice of a fragment of a multi-billion-parameter
 SLOWEST_LINK_MBPS = 10.0  # deadlines for moving N bytes allow for a link this slow
 
 
-def transfer_allowance_s(num_bytes: int) -> float:
-    """Seconds to allow for moving ``num_bytes`` over the slowest link we plan for."""
-    return 8.0 * num_bytes / (SLOWEST_LINK_MBPS * 1e6)
+def transfer_allowance_s(num_bytes: int, link_mbps: float = SLOWEST_LINK_MBPS) -> float:
+    """Seconds to allow for moving ``num_bytes`` over a ``link_mbps`` link (by default the slowest
+    link we plan for without a measurement)."""
+    return 8.0 * num_bytes / (link_mbps * 1e6)
 
 
 def is_index(x: Any) -> bool:
@@ -47,10 +48,11 @@ async def read_frame(
     timeout: float,
     max_size: int = MAX_FRAME,
     reserve: Callable[[int], None] | None = None,
+    link_mbps: float = SLOWEST_LINK_MBPS,
 ) -> dict[str, Any]:
-    """One message; ``timeout`` for the header, plus time for the announced size on a slow link.
-    ``max_size``: the largest message the caller can expect; ``reserve(size)`` is called with the
-    announced size before the body is read, and may refuse it by raising BadMessage."""
+    """One message; ``timeout`` for the header, plus time for the announced size on a ``link_mbps``
+    link. ``max_size``: the largest message the caller can expect; ``reserve(size)`` is called with
+    the announced size before the body is read, and may refuse it by raising BadMessage."""
     try:
         header = await asyncio.wait_for(reader.readexactly(HEADER), timeout)
         size = int.from_bytes(header, "big")
@@ -58,7 +60,7 @@ async def read_frame(
             raise BadMessage(f"frame of {size} bytes exceeds the {min(max_size, MAX_FRAME)}-byte limit")
         if reserve is not None:
             reserve(size)
-        timeout += transfer_allowance_s(size)
+        timeout += transfer_allowance_s(size, link_mbps)
         raw = await asyncio.wait_for(reader.readexactly(size), timeout)
     except asyncio.IncompleteReadError:
         raise BadMessage("stream closed in the middle of a message") from None
