@@ -144,6 +144,10 @@ class ReplicaStrategy:
         """Steps between send slots now, for an algorithm whose schedule can be paced; else None."""
         return None
 
+    def pace_from_start(self, spacing: int) -> None:
+        """Send slots every ``spacing`` steps from the first step on, for an algorithm whose schedule
+        can be paced; nothing for the others (their ``send_spacing`` is None)."""
+
     def pace_wish(self, busy_per_round_s: float, step_time_s: float) -> int:
         """The send-slot spacing a link busy ``busy_per_round_s`` per round keeps up with, for an
         algorithm whose schedule can be paced (0: it cannot, or needs not)."""

@@ -133,7 +133,7 @@ def start_paced(replica: SwarmReplica, pace: int) -> None:
     strategy = replica.strategy
     if pace <= 0 or strategy.send_spacing() is None:
         return
-    strategy.pace_from_start(pace)  # type: ignore[attr-defined]
+    strategy.pace_from_start(pace)
     replica.records.write({"kind": "start", "pace": strategy.send_spacing()})
     log.warning(
         "the swarm starts sending a fragment every %d steps: the pace its slowest declared link "

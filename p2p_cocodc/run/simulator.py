@@ -118,8 +118,7 @@ class Simulation:
         self.workers: dict[int, Worker] = {i: self._fresh_worker(i) for i in joins.get(0, range(cfg.workers))}
         if self.events is not None and self.events.start_pace:  # the pace the swarm started with
             for worker in self.workers.values():
-                if worker.strategy.send_spacing() is not None:
-                    worker.strategy.pace_from_start(self.events.start_pace)  # type: ignore[attr-defined]
+                worker.strategy.pace_from_start(self.events.start_pace)
         self.eval_model = setup.eval_model()
         self.step = 0  # inner steps done
         self.clock = 0.0
