@@ -37,6 +37,8 @@ CANDIDATES = {  # label -> options; every lossy one with error feedback (the def
     "int8": {"codec": "int8"},
     "fp4": {"codec": "fp4"},
     "fp4, no error feedback": {"codec": "fp4", "no-error-feedback": True},
+    "q2": {"codec": "q2"},
+    "q2, no error feedback": {"codec": "q2", "no-error-feedback": True},
     "topk4 k=1/4": {"codec": "topk4", "topk": 0.25},
     "topk4 k=1/8": {"codec": "topk4", "topk": 0.125},
     "topk2 k=1/8": {"codec": "topk2", "topk": 0.125},

@@ -8,7 +8,7 @@ ALGORITHMS = ("ddp", "diloco", "streaming", "cocodc")
 # under way cannot take a new replica (there is no shared state beyond the replicas themselves)
 AVERAGE_GRADIENTS = ("ddp",)
 DC_RULES = ("tensor", "step")
-CODEC_NAMES = ("fp32", "bf16", "int8", "fp4", "topk2", "topk4")
+CODEC_NAMES = ("fp32", "bf16", "int8", "fp4", "q2", "topk2", "topk4")
 # the codec of outer gradients when --codec is not given: the fewest bytes at most 1 % above fp32's
 # perplexity, chosen on sotu-before-1900 and judged on sotu-from-1900 and web-bible (docs/codecs.md)
 DEFAULT_CODEC = "fp4"

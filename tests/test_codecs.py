@@ -122,7 +122,7 @@ def test_int8_layout() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "ratio"), [("bf16", 2.0), ("int8", 3.94), ("fp4", 7.11), ("topk2", 23.27), ("topk4", 19.69)]
+    ("name", "ratio"), [("bf16", 2.0), ("int8", 3.94), ("fp4", 7.11), ("q2", 12.8), ("topk2", 23.27), ("topk4", 19.69)]
 )
 def test_compression_ratio(name: str, ratio: float) -> None:
     n = 10**6
@@ -208,6 +208,43 @@ def test_bf16_non_finite_payload_rejected() -> None:
     payload = bytes([0xC0, 0x7F, 0x80, 0x3F])  # bf16 NaN, 1.0
     with pytest.raises(UserError, match="NaN or Inf"):
         CODECS["bf16"].decode(payload, 2)
+
+
+def test_q2_layout() -> None:
+    # RMS of [1, -3, 0, 2] is sqrt(3.5): high -3 and 2 (mean |x| 2.5), low 1 and 0 (mean 0.5).
+    payload = CODECS["q2"].encode(torch.tensor([1.0, -3.0, 0.0, 2.0]))
+    lo, hi = torch.frombuffer(bytearray(payload[:4]), dtype=torch.bfloat16).tolist()
+    assert (lo, hi) == (0.5, 2.5)
+    assert payload[4] == 0b00 | 0b11 << 2 | 0b00 << 4 | 0b01 << 6
+    assert CODECS["q2"].decode(payload, 4).tolist() == [0.5, -2.5, 0.5, 2.5]
+
+
+def test_q2_splits_each_block_at_its_rms_into_two_class_means() -> None:
+    x = randn(64 * 50 + 17)
+    x[:64] = 0.0  # an all-zero block decodes to zeros
+    y = roundtrip(CODECS["q2"], x)
+    assert torch.equal(y[:64], torch.zeros(64))
+    for start in range(64, x.numel(), 64):  # the last block is short: its RMS is of its real values
+        xb, yb = x[start : start + 64], y[start : start + 64]
+        high = xb.abs() > xb.square().mean().sqrt()
+        assert torch.equal(yb.sign(), torch.where(xb < 0, -1.0, 1.0))
+        for part in (high, ~high):
+            expected = xb[part].abs().mean().to(torch.bfloat16).float()
+            assert torch.equal(yb[part].abs(), expected.expand(int(part.sum())))
+    gauss = torch.randn(64 * 1000, generator=torch.Generator().manual_seed(1))
+    error = (roundtrip(CODECS["q2"], gauss) - gauss).square().sum() / gauss.square().sum()
+    assert 0.10 < float(error) < 0.125  # Lloyd-Max's 2-bit optimum for a Gaussian is 0.1175
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("which", [0, 1])
+def test_q2_bad_scale_rejected(scale: float, which: int) -> None:
+    payload = bytearray(CODECS["q2"].encode(randn(300)))  # 5 blocks: 5 lo scales, then 5 hi
+    payload[2 * (5 * which + 1) : 2 * (5 * which + 2)] = torch.tensor([scale], dtype=torch.bfloat16).view(
+        torch.uint8
+    ).numpy().tobytes()
+    with pytest.raises(UserError, match="block 1 has invalid scale"):
+        CODECS["q2"].decode(bytes(payload), 300)
 
 
 @pytest.mark.parametrize("name", ["int8", "fp4", "topk2", "topk4"])
