@@ -122,7 +122,8 @@ def test_int8_layout() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "ratio"), [("bf16", 2.0), ("int8", 3.94), ("fp4", 7.11), ("q2", 12.8), ("topk2", 23.27), ("topk4", 19.69)]
+    ("name", "ratio"),
+    [("bf16", 2.0), ("int8", 3.94), ("fp4", 7.11), ("q2", 12.8), ("topk2", 23.27), ("topk4", 19.69)],
 )
 def test_compression_ratio(name: str, ratio: float) -> None:
     n = 10**6
@@ -240,9 +241,9 @@ def test_q2_splits_each_block_at_its_rms_into_two_class_means() -> None:
 @pytest.mark.parametrize("which", [0, 1])
 def test_q2_bad_scale_rejected(scale: float, which: int) -> None:
     payload = bytearray(CODECS["q2"].encode(randn(300)))  # 5 blocks: 5 lo scales, then 5 hi
-    payload[2 * (5 * which + 1) : 2 * (5 * which + 2)] = torch.tensor([scale], dtype=torch.bfloat16).view(
-        torch.uint8
-    ).numpy().tobytes()
+    payload[2 * (5 * which + 1) : 2 * (5 * which + 2)] = (
+        torch.tensor([scale], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    )
     with pytest.raises(UserError, match="block 1 has invalid scale"):
         CODECS["q2"].decode(bytes(payload), 300)
 
