@@ -9,6 +9,9 @@ ALGORITHMS = ("ddp", "diloco", "streaming", "cocodc")
 AVERAGE_GRADIENTS = ("ddp",)
 DC_RULES = ("tensor", "step")
 CODEC_NAMES = ("fp32", "bf16", "int8", "fp4", "q2", "topk2", "topk4")
+# the codecs too coarse to use without error feedback (2-bit values, or most values dropped), so
+# not for ddp's gradient average, which keeps none
+NEEDS_FEEDBACK = ("q2", "topk2", "topk4")
 # the codec of outer gradients when --codec is not given: the fewest bytes at most 1 % above fp32's
 # perplexity, chosen on sotu-before-1900 and judged on sotu-from-1900 and web-bible (docs/codecs.md)
 DEFAULT_CODEC = "fp4"

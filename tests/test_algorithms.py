@@ -378,8 +378,9 @@ def test_topk_options_are_checked() -> None:
         replace(SMALL, topk=0.1).validate()
     with pytest.raises(UserError, match="--topk must be a fraction"):
         replace(SMALL, codec="topk2", topk=0.0).validate()
-    with pytest.raises(UserError, match="ddp's gradient average does not keep"):
-        replace(SMALL, algo="ddp", overlap=0, codec="topk4").validate()
+    for codec in ("topk4", "q2"):
+        with pytest.raises(UserError, match=f"--codec {codec} is too coarse without error feedback"):
+            replace(SMALL, algo="ddp", overlap=0, codec=codec).validate()
 
 
 # ---- joining a run under way ----

@@ -290,7 +290,10 @@ class Q2Codec(Codec):
     def _encode(self, x: torch.Tensor) -> bytes:
         xb = _blocks(x, self.block).abs()
         real = _blocks(torch.ones_like(x), self.block)  # 0 on the last block's padding
-        rms = xb.square().sum(1).div_(real.sum(1).clamp_(min=1)).sqrt_()
+        absmax = xb.amax(1)
+        # the RMS as absmax·rms(x/absmax): the squares of tiny values would underflow
+        unit = xb / torch.where(absmax > 0, absmax, 1.0)[:, None]
+        rms = unit.square().sum(1).div_(real.sum(1).clamp_(min=1)).sqrt_().mul_(absmax)
         high = xb > rms[:, None]  # padding is 0, never above the RMS
         low = real.bool() & ~high
         scales = torch.stack([_class_mean(xb, low), _class_mean(xb, high)]).to(torch.bfloat16)

@@ -26,6 +26,7 @@ from p2p_cocodc.names import (
     DEFAULT_CODEC,
     DEFAULT_TOPK,
     LOG_SINKS,
+    NEEDS_FEEDBACK,
     PRECISIONS,
     TOKENIZERS,
 )
@@ -311,9 +312,9 @@ class TrainConfig:
             raise UserError(f"--topk must be a fraction in (0, 1], got {self.topk}")
         if self.topk != FIELDS["topk"].default and not self.wire_codec.startswith("topk"):
             raise UserError(f"--topk applies to the topk2 and topk4 codecs, not --codec {self.wire_codec}")
-        if self.algo == "ddp" and self.wire_codec.startswith("topk"):
+        if self.algo == "ddp" and self.wire_codec in NEEDS_FEEDBACK:
             raise UserError(
-                f"--codec {self.codec} drops most values and needs error feedback, which ddp's gradient "
+                f"--codec {self.codec} is too coarse without error feedback, which ddp's gradient "
                 "average does not keep: use fp32, bf16, int8 or fp4 with ddp"
             )
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
