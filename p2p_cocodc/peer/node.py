@@ -42,6 +42,7 @@ from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter, committed, r
 from p2p_cocodc.run.loop import ReplicaLoop
 from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.setup import TrainingSetup
+from p2p_cocodc.swarm.connections import Connections
 from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.records import Board, PeerRecord, peers_key
@@ -187,6 +188,7 @@ class Peer:
         self.exchange: FragmentExchange | None = None
         self.state_server: StateServer | None = None
         self.p2p: Any = None
+        self.connections: Connections | None = None
         self.joins_recorded: set[tuple[str, int]] = set()  # (peer, joined_at) written to --out
         self.replica.shard_index = opts.shard[0] if opts.shard else None
         data = self.setup.data_sha256() if cfg.checkpoint_dir is not None else ""  # hashes every token
@@ -235,6 +237,16 @@ class Peer:
 
     def _same_run(self, record: PeerRecord) -> bool:
         return lobby.same_run(record, self._seat())
+
+    def _peers_to_reach(self, presence: Presence) -> list[str]:
+        """The peers a round may need a connection to: this run's on the board, but for this one and
+        those that have left."""
+        staying = (Lifecycle.WAITING, Lifecycle.JOINING, Lifecycle.TRAINING)
+        return [
+            p
+            for p, r in presence.view.items()
+            if p != self.peer_id and r.state in staying and self._same_run(r)
+        ]
 
     def _move(self, state: Lifecycle) -> None:
         """The one place this peer's lifecycle moves; the heartbeat publishes it within a beat."""
@@ -323,6 +335,8 @@ class Peer:
             if self.presence is not None:
                 self.presence.stop()
             self.replica.close()
+            if self.connections is not None:
+                await self.connections.stop()
             if p2p is not None:
                 await p2p.shutdown()  # removes its client socket file
             if dht is not None:
@@ -347,6 +361,8 @@ class Peer:
         first = await self._first_look(presence)
         await presence.first_refresh(self.membership.key_id)
         presence.start()
+        self.connections = Connections(p2p, lambda: self._peers_to_reach(presence))
+        self.connections.start()  # from the lobby on: a round must not wait for a dial
         admitted = await self._wait_for_peers(stop, board, first)
         replica = self.replica
         self.exchange = FragmentExchange(

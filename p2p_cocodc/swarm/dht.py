@@ -304,6 +304,13 @@ def start_dht(
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
     kwargs: dict[str, Any] = {"host_maddrs": listen_maddrs(host, port), "nat_port_map": False}
+    # libp2p dials from its listening port by default. Two peers that dial each other at once (both
+    # see the other on the board at the same heartbeat) then send SYNs with the same two ports: TCP
+    # makes one connection of the two, both ends start the security handshake as its initiator, both
+    # dials fail, and libp2p will not dial that peer again for a while ("dial backoff"). On `thin`
+    # that left a pair of peers unconnected until their first round (docs/thin-link.md). p2pd
+    # inherits this process's environment (an explicit LIBP2P_TCP_REUSEPORT is kept).
+    os.environ.setdefault("LIBP2P_TCP_REUSEPORT", "false")
     if announce:
         kwargs["announce_maddrs"] = listen_maddrs(announce, port, "--announce")
     check_listen_address(host, port)
