@@ -67,3 +67,37 @@ def test_connections_dial_a_peer_of_the_board_that_this_daemon_is_not_connected_
         due, before, after, failures = asyncio.run(main(dhts))
     assert not before and after
     assert len(due) == 1 and failures == {}  # the keeper's own dial connected them
+
+
+def test_two_peers_that_dial_each_other_at_once_connect() -> None:
+    """Both ends of a pair see each other on the board at the same heartbeat and dial at once. From
+    their listening ports (libp2p's default) the two SYNs made one TCP connection whose both ends
+    began the handshake as its initiator ('noise: message is too short'): this test failed 4 times
+    in 4 with LIBP2P_TCP_REUSEPORT=true, and libp2p then backs off from the pair. ``start_dht`` runs
+    p2pd dialling from other ports."""
+
+    async def main(dhts) -> list[str]:
+        from hivemind.utils.multiaddr import Multiaddr
+
+        p2ps = [await d.replicate_p2p() for d in dhts]
+        a, b = p2ps[1], p2ps[2]
+        addrs = [[Multiaddr(str(m).split("/p2p/")[0]) for m in d.get_visible_maddrs()] for d in dhts[1:]]
+        failures = []
+        try:
+            for _ in range(20):
+                await a._client.disconnect(b.peer_id)
+                await b._client.disconnect(a.peer_id)
+                await asyncio.sleep(0.5)  # back to back, the second dial fell back to other ports
+                dials = await asyncio.gather(
+                    a._client.connect(b.peer_id, addrs[1]),
+                    b._client.connect(a.peer_id, addrs[0]),
+                    return_exceptions=True,
+                )
+                failures += [" ".join(str(d).split()) for d in dials if isinstance(d, Exception)]
+        finally:
+            for p2p in p2ps:
+                await p2p.shutdown()
+        return failures
+
+    with local_dhts(3) as dhts:
+        assert asyncio.run(main(dhts)) == []
