@@ -14,7 +14,7 @@ CODEC_NAMES = ("fp32", "bf16", "int8", "fp4", "q2", "topk2", "topk4")
 NEEDS_FEEDBACK = ("q2", "topk2", "topk4")
 # the codec of outer gradients when --codec is not given: the fewest bytes at most 1 % above fp32's
 # perplexity, chosen on sotu-before-1900 and judged on sotu-from-1900 and web-bible (docs/codecs.md)
-DEFAULT_CODEC = "fp4"
+DEFAULT_CODEC = "q2"
 # a top-k codec's share of each chunk of 256 values when --topk is not given: of the shares measured
 # on sotu-before-1900 (1/4, 1/8, 1/32), the one that sends fewer bytes than fp4 without falling far
 # behind it (1/32: +81 % perplexity; docs/codecs.md)
