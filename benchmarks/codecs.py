@@ -27,6 +27,7 @@ from convergence import COMMON, ROOT, run_all, run_name, summarize
 
 from p2p_cocodc.algorithms.codecs import get_codec
 from p2p_cocodc.config.train import TrainConfig
+from p2p_cocodc.names import DEFAULT_CODEC
 from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes
 
 CHOOSE_ON = "builtin:sotu-before-1900"
@@ -134,6 +135,10 @@ def main() -> None:
         f"Per seed (fp32): {', '.join(f'{p:.2f}' for p in reference['ppl'])}. Rule: the fewest bytes at "
         f"a mean final perplexity at most {BAR - 1:.0%} above fp32's → **{chosen}** "
         f"({'candidates meeting it: ' + ', '.join(good)}).",
+        "",
+        f"The default codec (`names.DEFAULT_CODEC`, {DEFAULT_CODEC}) must also stay within 1 % of fp32 on "
+        "the schedule of a thin link, where each fragment syncs 2–3 times instead of 10: "
+        "docs/performance.md, 'With few syncs' (q2 ends 2.4 % behind fp32 there).",
         "",
     ]
     for data, judged_rows in judged.items():

@@ -214,6 +214,12 @@ def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> Non
     assert paced_spacing(6, 24, 600.0, 0.25) == 4 * 24  # at most one slot every 4·H steps
     assert paced_spacing(6, 24, 0.0, 0.25) == 6  # nothing measured yet
     assert paced_spacing(6, 24, 3.0, 0.0) == 6
+    # going back to a narrower spacing needs 1.4× the busy time there, not 1.25×
+    assert paced_spacing(6, 24, 1.1, 0.25, current=12) == 12  # 1.25 · 1.1 s = 5.5 steps, 1.4 · 1.1 = 6.16
+    assert paced_spacing(6, 24, 0.9, 0.25, current=12) == 6  # 1.4 · 0.9 s = 5.04 steps
+    assert paced_spacing(6, 24, 1.5, 0.25, current=18) == 12  # 1.4 · 1.5 s = 8.4 steps: one slot less
+    assert paced_spacing(6, 24, 2.2, 0.25, current=18) == 18  # 1.25 · 2.2 s = 11 steps, but 1.4 · 2.2 = 12.3
+    assert paced_spacing(6, 24, 3.0, 0.25, current=12) == 18  # wider as before
 
 
 def test_adaptive_schedule_picks_highest_drift() -> None:

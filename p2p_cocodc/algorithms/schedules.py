@@ -16,6 +16,7 @@ from p2p_cocodc.algorithms.state import expect_list
 
 MAX_PACE_PERIODS = 4  # a paced schedule sends at least once every 4·H steps
 PACE_HEADROOM = 1.25  # a paced schedule keeps a link busy at most 1/1.25 = 80 % of the time
+PACE_NARROWING_HEADROOM = 1.4  # and goes back to a narrower spacing only at 1/1.4 = 71 % busy there
 
 
 def delta_rms(delta: torch.Tensor) -> float:
@@ -176,15 +177,27 @@ class AdaptiveSchedule:
         self.last_rms = expect_list(state["last_rms"], k, float, "last_rms")
 
 
-def paced_spacing(base: int, inner_steps: int, link_busy_s: float, step_time_s: float) -> int:
+def paced_spacing(
+    base: int, inner_steps: int, link_busy_s: float, step_time_s: float, current: int = 0
+) -> int:
     """The send-slot spacing a peer asks for so that its link keeps up: the least multiple of
     ``base`` (⌊H/N⌋) at or above 1.25 · T / s, where T is the time its link is busy per round
     (measured) and s its inner step time; at most 4·H. This is CoCoDC's N = ⌊H·s/T⌋
     (``--transmissions auto``) from measurements taken while the run goes on, with h = H/N; the
     headroom leaves a fifth of the link to the notice board and the protocol's small messages, and whole
     multiples of ⌊H/N⌋ keep a noisy measurement from moving the slots by a step or two. With nothing
-    measured yet (T or s ≤ 0) the answer is ``base``."""
+    measured yet (T or s ≤ 0) the answer is ``base``.
+
+    ``current``: the spacing the swarm keeps now. A narrower one is asked for only where it leaves
+    the link 1.4× the busy time (``PACE_NARROWING_HEADROOM``), not 1.25×: on `thin` a q2 round's
+    busy time sat near the edge of one slot, and the pace went back and forth between one and two
+    slots every few rounds, the rounds at the narrow pace waiting up to a second each."""
     if link_busy_s <= 0 or step_time_s <= 0:
         return base
-    wanted = base * math.ceil(PACE_HEADROOM * link_busy_s / (step_time_s * base) - 1e-9)
-    return max(base, min(wanted, MAX_PACE_PERIODS * inner_steps))
+
+    def spacing(headroom: float) -> int:
+        wanted = base * math.ceil(headroom * link_busy_s / (step_time_s * base) - 1e-9)
+        return max(base, min(wanted, MAX_PACE_PERIODS * inner_steps))
+
+    wanted = spacing(PACE_HEADROOM)
+    return min(current, spacing(PACE_NARROWING_HEADROOM)) if wanted < current else wanted

@@ -432,7 +432,9 @@ class CoCoDC(Strategy):
 
     def pace_wish(self, busy_per_round_s: float, step_time_s: float) -> int:
         schedule = self.schedule
-        return paced_spacing(schedule.base_spacing, self.settings.inner_steps, busy_per_round_s, step_time_s)
+        return paced_spacing(
+            schedule.base_spacing, self.settings.inner_steps, busy_per_round_s, step_time_s, schedule.spacing
+        )
 
     def merge(
         self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int

@@ -333,7 +333,7 @@ class TrainConfig:
 
     @property
     def wire_codec(self) -> str:
-        """--codec, or the default: q2 with error feedback for outer gradients (chosen on
+        """--codec, or the default: fp4 with error feedback for outer gradients (chosen on
         sotu-before-1900, judged on sotu-from-1900 and web-bible: docs/codecs.md), fp32 for ddp's
         gradients, which keep no error feedback."""
         if self.codec is not None:

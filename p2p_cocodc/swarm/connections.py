@@ -138,7 +138,8 @@ class Connections:
             raise
         except Exception as exc:  # noqa: BLE001 - p2pd's control errors carry the reason as text
             self.plan.dialled(peer, False, self.clock())
-            log.info(
+            log.log(  # once is often a peer that has just ended; twice in a row is worth a line
+                logging.INFO if self.plan.failures[peer] > 1 else logging.DEBUG,
                 "could not connect to peer %s yet (%s); trying again in %.0f s",
                 peer[:12],
                 " ".join(str(exc).split())[:200],

@@ -159,6 +159,10 @@ class LinkMeter:
     def record(self, started: float, acked: float, round_id: str) -> None:
         self.deliveries.append((started, acked, round_id))
 
+    def rounds(self) -> int:
+        """The rounds whose deliveries the window holds."""
+        return len({round_id for _, _, round_id in self.deliveries})
+
     def busy_per_round_s(self) -> float:
         """0.0 until a delivery was acknowledged."""
         if not self.deliveries:
@@ -168,7 +172,7 @@ class LinkMeter:
             if end > reach:
                 busy += end - max(start, reach)
                 reach = end
-        return busy / len({round_id for _, _, round_id in self.deliveries})
+        return busy / self.rounds()
 
 
 class FragmentExchange:
