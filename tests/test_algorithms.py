@@ -219,6 +219,8 @@ def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> Non
     assert paced_spacing(6, 24, 0.9, 0.25, current=12) == 6  # 1.4 · 0.9 s = 5.04 steps
     assert paced_spacing(6, 24, 1.5, 0.25, current=18) == 12  # 1.4 · 1.5 s = 8.4 steps: one slot less
     assert paced_spacing(6, 24, 2.2, 0.25, current=18) == 18  # 1.25 · 2.2 s = 11 steps, but 1.4 · 2.2 = 12.3
+    assert paced_spacing(6, 24, 0.9, 0.25, current=12, settled=False) == 12  # a round or two: no narrower
+    assert paced_spacing(6, 24, 3.0, 0.25, current=12, settled=False) == 18  # but wider at once
     assert paced_spacing(6, 24, 3.0, 0.25, current=12) == 18  # wider as before
 
 

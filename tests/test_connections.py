@@ -50,7 +50,8 @@ def test_connections_dial_a_peer_of_the_board_that_this_daemon_is_not_connected_
         p2ps = [await d.replicate_p2p() for d in dhts]
         ids = [p.peer_id.to_base58() for p in p2ps]
         mine = p2ps[1]
-        keeper = Connections(mine, lambda: [ids[2]])
+        keeper = Connections()
+        keeper.p2p, keeper.peers = mine, lambda: [ids[2]]  # as start() sets them, without its loop
         try:
             await mine._client.disconnect(p2ps[2].peer_id)
             before = ids[2] in await keeper.connected()

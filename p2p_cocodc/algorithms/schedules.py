@@ -17,6 +17,7 @@ from p2p_cocodc.algorithms.state import expect_list
 MAX_PACE_PERIODS = 4  # a paced schedule sends at least once every 4·H steps
 PACE_HEADROOM = 1.25  # a paced schedule keeps a link busy at most 1/1.25 = 80 % of the time
 PACE_NARROWING_HEADROOM = 1.4  # and goes back to a narrower spacing only at 1/1.4 = 71 % busy there
+NARROW_AFTER_ROUNDS = 3  # rounds of a link measured before it may ask for a narrower spacing
 
 
 def delta_rms(delta: torch.Tensor) -> float:
@@ -178,7 +179,7 @@ class AdaptiveSchedule:
 
 
 def paced_spacing(
-    base: int, inner_steps: int, link_busy_s: float, step_time_s: float, current: int = 0
+    base: int, inner_steps: int, busy_s: float, step_time_s: float, current: int = 0, settled: bool = True
 ) -> int:
     """The send-slot spacing a peer asks for so that its link keeps up: the least multiple of
     ``base`` (⌊H/N⌋) at or above 1.25 · T / s, where T is the time its link is busy per round
@@ -189,15 +190,19 @@ def paced_spacing(
     measured yet (T or s ≤ 0) the answer is ``base``.
 
     ``current``: the spacing the swarm keeps now. A narrower one is asked for only where it leaves
-    the link 1.4× the busy time (``PACE_NARROWING_HEADROOM``), not 1.25×: on `thin` a q2 round's
-    busy time sat near the edge of one slot, and the pace went back and forth between one and two
-    slots every few rounds, the rounds at the narrow pace waiting up to a second each."""
-    if link_busy_s <= 0 or step_time_s <= 0:
+    the link 1.4× the busy time (``PACE_NARROWING_HEADROOM``), not 1.25×, and only once T is
+    ``settled`` (measured over ``NARROW_AFTER_ROUNDS`` rounds). On `thin` a round's busy time sat
+    near the edge of one slot, and the pace went back and forth between one and two slots every few
+    rounds, the rounds at the narrow pace waiting up to a second each; and a first round, on links
+    idle until then, once asked for half the spacing the later ones needed."""
+    if busy_s <= 0 or step_time_s <= 0:
         return base
 
     def spacing(headroom: float) -> int:
-        wanted = base * math.ceil(headroom * link_busy_s / (step_time_s * base) - 1e-9)
+        wanted = base * math.ceil(headroom * busy_s / (step_time_s * base) - 1e-9)
         return max(base, min(wanted, MAX_PACE_PERIODS * inner_steps))
 
     wanted = spacing(PACE_HEADROOM)
-    return min(current, spacing(PACE_NARROWING_HEADROOM)) if wanted < current else wanted
+    if wanted >= current:
+        return wanted
+    return min(current, spacing(PACE_NARROWING_HEADROOM)) if settled else current

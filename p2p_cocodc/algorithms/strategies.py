@@ -148,9 +148,10 @@ class ReplicaStrategy:
         """Send slots every ``spacing`` steps from the first step on, for an algorithm whose schedule
         can be paced; nothing for the others (their ``send_spacing`` is None)."""
 
-    def pace_wish(self, busy_per_round_s: float, step_time_s: float) -> int:
+    def pace_wish(self, busy_per_round_s: float, step_time_s: float, settled: bool = True) -> int:
         """The send-slot spacing a link busy ``busy_per_round_s`` per round keeps up with, for an
-        algorithm whose schedule can be paced (0: it cannot, or needs not)."""
+        algorithm whose schedule can be paced (0: it cannot, or needs not); ``settled``: measured
+        over enough rounds to narrow the pace (``paced_spacing``)."""
         return 0
 
     def gradient_payload(self) -> torch.Tensor:
@@ -430,11 +431,9 @@ class CoCoDC(Strategy):
         it started (``peer/lobby.py``: ``starting_pace``), so that its first syncs are paced too."""
         self.schedule.set_spacing(spacing)
 
-    def pace_wish(self, busy_per_round_s: float, step_time_s: float) -> int:
-        schedule = self.schedule
-        return paced_spacing(
-            schedule.base_spacing, self.settings.inner_steps, busy_per_round_s, step_time_s, schedule.spacing
-        )
+    def pace_wish(self, busy_per_round_s: float, step_time_s: float, settled: bool = True) -> int:
+        base, spacing = self.schedule.base_spacing, self.schedule.spacing
+        return paced_spacing(base, self.settings.inner_steps, busy_per_round_s, step_time_s, spacing, settled)
 
     def merge(
         self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int

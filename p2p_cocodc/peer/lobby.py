@@ -155,6 +155,13 @@ def same_run(record: Record, seat: Seat) -> bool:
     return record.fingerprint == seat.fingerprint and record.key_id == seat.key_id
 
 
+def peers_to_reach(view: View, seat: Seat) -> list[str]:
+    """The peers a round may need a connection to (``swarm/connections.py`` keeps one to each):
+    this run's on the board, but for this one and those that have left."""
+    staying = ("waiting", "joining", "training")
+    return [p for p, r in view.items() if p != seat.peer_id and r.state in staying and same_run(r, seat)]
+
+
 def admit(view: View, seat: Seat, first_steps: Mapping[str, int] | None) -> tuple[Admission, dict[str, int]]:
     """One look at the board: start, join, wait, or the options that differ to fetch; UserError for
     a peer refused (a shard clash, a run ended, ...). ``first_steps`` (peer -> the step its record

@@ -188,7 +188,7 @@ class Peer:
         self.exchange: FragmentExchange | None = None
         self.state_server: StateServer | None = None
         self.p2p: Any = None
-        self.connections: Connections | None = None
+        self.connections = Connections()  # to every peer of the run, from the lobby on
         self.joins_recorded: set[tuple[str, int]] = set()  # (peer, joined_at) written to --out
         self.replica.shard_index = opts.shard[0] if opts.shard else None
         data = self.setup.data_sha256() if cfg.checkpoint_dir is not None else ""  # hashes every token
@@ -234,19 +234,6 @@ class Peer:
             resume_step=self.resume.step if self.resume is not None else None,
             can_take_state=self.replica.strategy.takes_state,
         )
-
-    def _same_run(self, record: PeerRecord) -> bool:
-        return lobby.same_run(record, self._seat())
-
-    def _peers_to_reach(self, presence: Presence) -> list[str]:
-        """The peers a round may need a connection to: this run's on the board, but for this one and
-        those that have left."""
-        staying = (Lifecycle.WAITING, Lifecycle.JOINING, Lifecycle.TRAINING)
-        return [
-            p
-            for p, r in presence.view.items()
-            if p != self.peer_id and r.state in staying and self._same_run(r)
-        ]
 
     def _move(self, state: Lifecycle) -> None:
         """The one place this peer's lifecycle moves; the heartbeat publishes it within a beat."""
@@ -335,8 +322,7 @@ class Peer:
             if self.presence is not None:
                 self.presence.stop()
             self.replica.close()
-            if self.connections is not None:
-                await self.connections.stop()
+            await self.connections.stop()
             if p2p is not None:
                 await p2p.shutdown()  # removes its client socket file
             if dht is not None:
@@ -350,7 +336,7 @@ class Peer:
         run_info = {"algo": self.cfg.algo, "model": self.cfg.model, "workers": self.cfg.workers}
         presence = self.presence = Presence(
             board,
-            self._same_run,
+            lambda record: lobby.same_run(record, self._seat()),
             self._record,
             {**run_info, "options": self.options},
             self.opts.heartbeat_s,
@@ -361,8 +347,7 @@ class Peer:
         first = await self._first_look(presence)
         await presence.first_refresh(self.membership.key_id)
         presence.start()
-        self.connections = Connections(p2p, lambda: self._peers_to_reach(presence))
-        self.connections.start()  # from the lobby on: a round must not wait for a dial
+        self.connections.start(p2p, lambda: lobby.peers_to_reach(presence.view, self._seat()))
         admitted = await self._wait_for_peers(stop, board, first)
         replica = self.replica
         self.exchange = FragmentExchange(
@@ -458,7 +443,7 @@ class Peer:
     def _on_board(self, fresh: dict[str, PeerRecord]) -> None:
         """A fresh read of the board: a join record for every peer of the run seen training."""
         for peer, record in fresh.items():
-            if self._same_run(record) and record.state in ("training", "leaving", "done"):
+            if lobby.same_run(record, self._seat()) and record.state in ("training", "leaving", "done"):
                 self._record_join(peer, record.joined_at, record.shard)
         self._sample()
 

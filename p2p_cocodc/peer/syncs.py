@@ -33,6 +33,7 @@ import torch
 
 from p2p_cocodc.algorithms.devices import HostCopy, StepTimer, peak_memory_bytes
 from p2p_cocodc.algorithms.inner_share import RegionShare
+from p2p_cocodc.algorithms.schedules import NARROW_AFTER_ROUNDS
 from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, PreparedResult
 from p2p_cocodc.config.derived import declared_busy_s
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 3.0  # on SIGINT/SIGTERM, how long syncs in flight may still take
 FAILING_STREAK = 3  # this many syncs of every fragment failing in a row: the swarm is not syncing
 MAX_RESYNCS = 5  # a peer that had to take the swarm's state again this often stops
-NARROW_AFTER_ROUNDS = 3  # rounds measured before this peer asks for a narrower pace than the swarm's
 
 
 def fragment_round(p: int, step: int) -> str:
@@ -374,19 +374,13 @@ class SwarmReplica:
         """The send-slot spacing this peer's link keeps up with (0: none, or --pace fixed): each
         round's group takes the largest its members ask for. The link's busy time per round is
         measured (``LinkMeter``); until a delivery was acknowledged, it is what the declared link
-        (--bandwidth-mbps) would take for a round's bytes. A narrower spacing than the swarm's is
-        asked for only once ``NARROW_AFTER_ROUNDS`` rounds were measured: on `thin` the first
-        round, on links idle until then, once asked for half the spacing the later ones needed, and
-        the swarm stalled at it for four rounds."""
+        (--bandwidth-mbps) would take for a round's bytes."""
         assert self.exchange is not None
         if self.pace == "fixed" or self.strategy.send_spacing() is None:
             return 0
         link = self.exchange.link
         busy = link.busy_per_round_s() or declared_busy_s(self.exchange.round_bytes, self.cfg.bandwidth_mbps)
-        wish = self.strategy.pace_wish(busy, self.step_time_s)
-        if link.rounds() < NARROW_AFTER_ROUNDS:  # never narrower on a round or two of an idle link
-            wish = max(wish, self.strategy.send_spacing() or 0)
-        return wish
+        return self.strategy.pace_wish(busy, self.step_time_s, link.rounds() >= NARROW_AFTER_ROUNDS)
 
     async def apply(self, p: int, step: int) -> bool:
         assert self.exchange is not None and self.presence is not None

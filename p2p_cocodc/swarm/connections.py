@@ -77,20 +77,20 @@ class DialPlan:
 
 
 class Connections:
-    """Keeps this peer connected to ``peers()`` (base58 peer ids) through ``p2p``'s daemon."""
+    """Keeps this peer connected to the peers ``start`` names, until ``stop``."""
 
-    def __init__(
-        self, p2p: Any, peers: Callable[[], Iterable[str]], clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.p2p = p2p
-        self.peers = peers
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.p2p: Any = None
+        self.peers: Callable[[], Iterable[str]] = list
         self.clock = clock
         self.plan = DialPlan()
         self.task: asyncio.Task | None = None
         self.dials: set[asyncio.Task] = set()
         self.seen: dict[str, float] = {}  # peer -> when it was first wanted, for the log
 
-    def start(self) -> None:
+    def start(self, p2p: Any, peers: Callable[[], Iterable[str]]) -> None:
+        """Keep this peer connected to ``peers()`` (base58 peer ids) through ``p2p``'s daemon."""
+        self.p2p, self.peers = p2p, peers
         self.task = asyncio.create_task(self._keep(), name="connections")
 
     async def stop(self) -> None:
