@@ -288,7 +288,8 @@ class Q2Codec(Codec):
         return 4 * -(-numel // self.block) + -(-numel // 4)
 
     def _encode(self, x: torch.Tensor) -> bytes:
-        xb = _blocks(x, self.block).abs()
+        blocks = _blocks(x, self.block)
+        xb = blocks.abs()
         real = _blocks(torch.ones_like(x), self.block)  # 0 on the last block's padding
         absmax = xb.amax(1)
         # the RMS as absmax·rms(x/absmax): the squares of tiny values would underflow
@@ -297,7 +298,7 @@ class Q2Codec(Codec):
         high = xb > rms[:, None]  # padding is 0, never above the RMS
         low = real.bool() & ~high
         scales = torch.stack([_class_mean(xb, low), _class_mean(xb, high)]).to(torch.bfloat16)
-        codes = high.to(torch.uint8) | ((_blocks(x, self.block) < 0).to(torch.uint8) << 1)
+        codes = high.to(torch.uint8) | ((blocks < 0).to(torch.uint8) << 1)
         grouped = codes.view(-1, 4)  # nblocks·64 divides by 4
         packed = grouped[:, 0] | grouped[:, 1] << 2 | grouped[:, 2] << 4 | grouped[:, 3] << 6
         return _to_bytes(scales.reshape(-1), packed[: -(-x.numel() // 4)])
