@@ -232,7 +232,11 @@ def test_a_joining_peer_stops(boot: Bootstrap, tmp_path: Path, sig: signal.Signa
     run = ["--run-id", f"join-{sig.name}", "--workers", "1", "--max-peers", "2", "--steps", "100000"]
     common = ["join", "--bootstrap", boot.host_port, *run, *PEER]
     last = f"stopped by {sig.name} while joining, before training"
-    founder = spawn([*common, "--out", "founder.jsonl"], tmp_path, "founder.log")
+    # the founder's steps take 8 s: a donor answers once it reaches the step asked (two past its
+    # record's), so the joiner's ask stays unanswered for seconds after it says "joining", whatever
+    # the load, and the donor is frozen before it can answer (at full speed a tiny step is a few
+    # ms: a loaded machine let the joiner take the state before the freeze)
+    founder = spawn([*common, "--out", "founder.jsonl", "--min-step-time", "8"], tmp_path, "founder.log")
     joiner = None
     log = tmp_path / "joiner.log"
     try:
