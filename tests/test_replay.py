@@ -249,6 +249,8 @@ def test_joins_that_cannot_be_replayed_are_refused_with_one_line(
         ('{"kind": "start", "pace": -4}', "a start record needs an int 'pace'"),
         ('{"kind": "start", "pace": 1e9}', "a start record needs an int 'pace'"),
         ('{"kind": "start"}', "a start record needs an int 'pace'"),
+        ('{"kind": "join", "shard": 0, "step": 0, "peer": 7}', "'peer' \\(an id of 1 to 128"),
+        ('{"kind": "join", "shard": 0, "step": 0, "peer": ""}', "'peer' \\(an id of 1 to 128"),
     ],
 )
 def test_malformed_events_are_refused_with_one_line(tmp_path: Path, line: str, message: str) -> None:
@@ -256,3 +258,41 @@ def test_malformed_events_are_refused_with_one_line(tmp_path: Path, line: str, m
     path.write_text(line + "\n")
     with pytest.raises(UserError, match=message):
         Simulation(build_config({}, {**OPTIONS, "events": str(path)}))
+
+
+@pytest.mark.parametrize("again", ["peer2", "peer2-new"])
+def test_a_replica_that_joins_again_screens_afresh_and_is_known_by_its_peer_id(
+    tmp_path: Path, again: str
+) -> None:
+    """Screening memory in a replay is what the swarm's is: a shard's peer that comes back (after a
+    crash, or taking the swarm's state again) remembers no member's cosines, as its new process (or
+    reset exchange) does, and the other slice owners remember members by the peer id the join
+    records give: one that comes back with its --identity goes on where it was, one with a new id is
+    a new member to them. Before, the simulator kept both by data shard, and a crashed peer's replay
+    screened differently from the swarm."""
+    joins = [(0, 0, "peer0"), (1, 0, "peer1"), (2, 0, "peer2"), (2, JOINED_AT, again)]
+    lines = [{"kind": "join", "shard": i, "step": s, "peer": p} for i, s, p in joins]
+    lines += [
+        {"kind": "round", "round": r, "members": m, "completed": c}
+        for r, (m, c) in every_round([0, 1, 2], [0, 1, 2]).items()
+    ]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    sim = RecordsRounds(
+        build_config({}, {**OPTIONS, "algo": "cocodc", "events": str(path), "outlier_window": 64})
+    )
+    RecordsRounds.rounds_seen = []
+    sim.run(RunLog(None))
+    after = sum(1 for r in RecordsRounds.rounds_seen if int(r.split(":")[1]) > JOINED_AT)
+    before = len(RecordsRounds.rounds_seen) - after
+    assert before > 0 and after > 0
+    restarted, stayed = sim.cosine_records[2].cosines, sim.cosine_records[0].cosines
+    assert {member: len(c) for member, c in restarted.items()} == {
+        "peer0": after,
+        "peer1": after,
+        again: after,
+    }
+    if again == "peer2":
+        assert len(stayed["peer2"]) == before + after
+    else:
+        assert len(stayed["peer2"]) == before and len(stayed[again]) == after

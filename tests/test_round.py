@@ -219,6 +219,22 @@ def test_a_member_missing_an_averaged_slice_takes_the_average_another_member_com
     assert torch.equal(net.outcomes[B].average, full(2.5, 700))  # type: ignore[union-attr]
 
 
+def test_a_member_that_takes_the_average_after_reducing_its_slice_keeps_its_screening() -> None:
+    # A reduced its own slice (its result reached B and C, who completed with it), but B's averaged
+    # slice never reached A: A takes the average B completed, which holds A's slice, so the cosines
+    # A's screening measured there go to its record, as every owner's do in a replay. Before, A's
+    # record skipped the round, and its later screening differed from the simulator's
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    net.drop = lambda sender, to, message: sender == B and to == A and message.code == Code.RESULT
+    for peer, value in ((A, 1.0), (B, 2.0), (C, 3.0)):
+        net.start(peer, full(value))
+    net.run(60, net.settled(A, B, C))
+    taken = net.outcomes[A]
+    assert isinstance(taken, Completed) and not taken.by_butterfly
+    assert sorted(p for p, _ in taken.cosines) == sorted([A, B, C])
+    assert torch.equal(taken.average, net.outcomes[B].average)  # type: ignore[union-attr]
+
+
 def test_a_round_no_member_completed_fails_on_every_member() -> None:
     net = Net({A: [B], B: [A]})
     net.drop = lambda sender, to, message: message.code == Code.RESULT

@@ -3,9 +3,13 @@ round averaged, which rounds failed.
 
 A peer writes to its ``--out`` file, besides its evaluations:
 
-- ``{"kind": "join", "shard": 2, "step": 96}`` for every replica it learns of: the replica reading
-  data shard 2 starts after step 96 from θ̄ at 96 (step 0: the peers that started the run). A shard
-  joins again when its peer crashed and came back; the replica starts afresh each time.
+- ``{"kind": "join", "shard": 2, "step": 96, "peer": "Qm…"}`` for every replica it learns of: the
+  replica reading data shard 2 starts after step 96 from θ̄ at 96 (step 0: the peers that started
+  the run). A shard joins again when its peer crashed and came back, or fell out of the swarm and
+  took its state again; the replica starts afresh each time, its screening memory too (the cosine
+  record of the slices it owns). ``peer`` is the id the other slice owners remember its cosines by:
+  one that comes back with the same --identity is the same member to them, one with a new id a new
+  member (records without it: the shard is the id).
 - ``{"kind": "start", "pace": 48}`` when the peers that started the run agreed on a send-slot
   spacing before their first step (from their declared links; the last such record counts);
 - ``{"kind": "round", "round": "f2:96", "members": [0, 2], "pace": 6, "completed": true}`` for every
@@ -22,12 +26,14 @@ peer left out of a group fetches the same average); a failed round is abandoned 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeGuard
 
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.swarm.messages import MAX_PACE
+
+MAX_PEER_ID = 128  # a libp2p peer id in base58 is 46-59 characters
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,13 @@ class Events:
     rounds: dict[str, RoundRecord]
     joins: dict[int, tuple[int, ...]]
     start_pace: int = 0  # the send-slot spacing the run started with (0: the schedule's own)
+    peers: dict[tuple[int, int], str] = field(default_factory=dict)  # (step, shard) of a join: its peer id
+
+    def member(self, shard: int, step: int) -> int | str:
+        """The id the slice owners know data shard ``shard``'s replica by at ``step``: the peer id of
+        its latest join at or before ``step`` (the shard where the records name none)."""
+        joined = [s for s, i in self.peers if i == shard and s <= step]
+        return self.peers[(max(joined), shard)] if joined else shard
 
 
 def read_events(path: str, data_shards: int) -> Events:
@@ -52,6 +65,7 @@ def read_events(path: str, data_shards: int) -> Events:
     Shards must be below ``data_shards`` (--max-peers); a join recorded twice counts once."""
     rounds: dict[str, RoundRecord] = {}
     joins: dict[int, set[int]] = {}
+    peers: dict[tuple[int, int], str] = {}
     start_pace = 0
     try:
         lines = Path(path).read_text().splitlines()
@@ -75,17 +89,26 @@ def read_events(path: str, data_shards: int) -> Events:
                     f"--events {path}:{number}: a start record needs an int 'pace' in [0, {MAX_PACE}]"
                 )
         elif kind == "join":
-            shard, step = record.get("shard"), record.get("step")
-            if not (_is_int(shard) and 0 <= shard < data_shards and _is_int(step) and step >= 0):
+            shard, step, peer = record.get("shard"), record.get("step"), record.get("peer")
+            if not (
+                _is_int(shard)
+                and 0 <= shard < data_shards
+                and _is_int(step)
+                and step >= 0
+                and (peer is None or (isinstance(peer, str) and 0 < len(peer) <= MAX_PEER_ID))
+            ):
                 raise UserError(
                     f"--events {path}:{number}: a join record needs 'shard' (a data shard below "
-                    f"--max-peers {data_shards}) and 'step' (≥ 0)"
+                    f"--max-peers {data_shards}), 'step' (≥ 0) and, if any, 'peer' (an id of 1 to "
+                    f"{MAX_PEER_ID} characters)"
                 )
             joins.setdefault(step, set()).add(shard)
+            if peer is not None:
+                peers[(step, shard)] = peer
     if not rounds:
         raise UserError(f"--events {path}: no round records (write them with join --out)")
     joined = {step: tuple(sorted(shards)) for step, shards in sorted(joins.items())}
-    return Events(rounds, joined, start_pace)
+    return Events(rounds, joined, start_pace, peers)
 
 
 def _round(record: dict, data_shards: int, where: str) -> tuple[str, RoundRecord]:

@@ -309,6 +309,7 @@ class Simulation:
             worker = self._fresh_worker(i)
             worker.strategy.join_from(donor.shared_state())  # type: ignore[attr-defined]
             self.workers[i] = worker
+            self.cosine_records.pop(i, None)  # its peer's screening memory starts afresh too
         if shards:
             self.workers = dict(sorted(self.workers.items()))
 
@@ -345,9 +346,12 @@ class Simulation:
                 "join record starts before it"
             )
         owners = [self._cosine_record(i) for i in group]
+        # the owners remember members by peer id in a swarm (a shard whose peer came back with a
+        # new id is a new member to them)
+        ids = [self.events.member(i, step) for i in group] if self.events is not None else group
         weights = [weight(*self.shares[i].recent(step)) for i in group]
         averaged, excluded = butterfly_mean(
-            [payloads[i] for i in group], self.codec, self.aggregation, owners, group, weights
+            [payloads[i] for i in group], self.codec, self.aggregation, owners, ids, weights
         )
         if excluded:
             self.exclusions.append((round_id, [group[i] for i in excluded]))

@@ -268,8 +268,12 @@ class FragmentExchange:
 
     def set_joining(self, joining: bool) -> None:
         """While this peer takes the swarm's state, it promises to stay out of every round it has
-        not reached (it could not take part in one with a state it does not have yet)."""
+        not reached (it could not take part in one with a state it does not have yet). Its
+        screening memory starts afresh, as a restarted peer's does: the replay (``run/replay.py``)
+        cannot tell a peer that took the state again from one that crashed and came back."""
         self.joining = joining
+        if joining:
+            self.cosines = CosineRecord(self.cosines.window)
         for machine in self.open.values():
             if joining and machine.phase == Phase.IDLE:
                 machine.gave_round_up = True
