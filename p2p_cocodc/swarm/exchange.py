@@ -267,13 +267,10 @@ class FragmentExchange:
             await asyncio.wait(sends, timeout=MESSAGE_TIMEOUT_S / 10)
 
     def set_joining(self, joining: bool) -> None:
-        """While this peer takes the swarm's state, it promises to stay out of every round it has
-        not reached (it could not take part in one with a state it does not have yet). Its
-        screening memory starts afresh, as a restarted peer's does: the replay (``run/replay.py``)
-        cannot tell a peer that took the state again from one that crashed and came back."""
+        """While taking the swarm's state, stay out of every round not reached (a state for it is yet
+        to come) and forget the screening memory, as a restarted peer does (so does the replay)."""
         self.joining = joining
-        if joining:
-            self.cosines = CosineRecord(self.cosines.window)
+        self.cosines = CosineRecord(self.cosines.window) if joining else self.cosines
         for machine in self.open.values():
             if joining and machine.phase == Phase.IDLE:
                 machine.gave_round_up = True

@@ -451,12 +451,9 @@ class RoundMachine:
             if self.phase == Phase.RECOVERING and event.error is None:
                 _, _, members, pace, sender = event.job.inputs
                 assert isinstance(event.value, torch.Tensor)
-                # our slice's aggregate is in that average if we reduced it for the same group
-                # (only we reduce it): our screening of it counts, as every owner's does in a replay
-                ours = members == self.members and self.me in self.results
-                screened_out, cosines = (self.screened_out, self.cosines) if ours else ((), ())
-                done = Completed(event.value, members, pace, False, screened_out, cosines)
-                self._settle(done, now, out)
+                ours = members == self.members and self.me in self.results  # our slice's mean is in it
+                kept = (self.screened_out, self.cosines) if ours else ((), ())  # so its screening counts
+                self._settle(Completed(event.value, members, pace, False, *kept), now, out)
                 out.append(Note(f"round {self.round_id}: took the average {short(sender)} completed"))
             return
         if self.phase != Phase.RUNNING:
