@@ -176,6 +176,7 @@ class Peer:
         shared = shared_options(self.setup, self.settings)
         self.fingerprint = fingerprint(shared)
         self.options = option_view(shared)  # published, so a mismatched peer can say what differs
+        step_time = first_step_time(self.setup, step_time, opts.min_step_s)  # on the board before step 1
         self.replica = SwarmReplica(
             self.setup, self.settings, region, self.metrics, opts.pace, opts.round_timeout_s, step_time
         )
@@ -589,8 +590,7 @@ class Peer:
         like every other peer."""
         presence, replica, stop = self.presence, self.replica, self.replica.stop
         assert presence is not None
-        # a joiner has not trained yet; a peer taking the state again has, and stops without a
-        # summary (its θ̄ is no longer the swarm's)
+        # a peer taking the state again has trained, and stops without a summary (not the swarm's θ̄)
         where = (
             f"while joining, {BEFORE_TRAINING}"
             if replica.train_started is None
@@ -643,6 +643,16 @@ class Peer:
             pulled.seconds,
             len(replica.pending),
         )
+
+
+def first_step_time(setup: TrainingSetup, step_time: float | None, min_step_s: float) -> float | None:
+    """The step time a replica starts with, on the board before step 1: ``step_time`` (auto's
+    measurement, or --step-time). With --inner-share auto, which chooses its share for step 1 from
+    its own and the others' (it trained every step until their first records came, and they waited
+    for it), measured now if not yet, a --min-step-time floor included as in its steps."""
+    if setup.cfg.inner_shares() is not None:
+        return step_time
+    return max(step_time if step_time is not None else setup.step_time(), min_step_s)
 
 
 def check_stop(stop: asyncio.Event, stopped_by: str | None, where: str) -> None:
