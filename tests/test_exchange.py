@@ -17,14 +17,7 @@ import torch
 from p2p_cocodc.algorithms.butterfly import butterfly_mean, slice_bounds
 from p2p_cocodc.algorithms.codecs import CODECS, get_codec
 from p2p_cocodc.swarm import exchange as exchange_module
-from p2p_cocodc.swarm.exchange import (
-    RESEND_MAX_S,
-    RESEND_MIN_S,
-    ExchangeStats,
-    FragmentExchange,
-    LinkMeter,
-    RoundFailed,
-)
+from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
 from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, Part, parse_members, parse_message
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round_events import leader_rank
@@ -101,27 +94,6 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0)
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-def test_an_unanswered_message_is_sent_again_after_a_few_of_the_links_round_trips() -> None:
-    """The resend timer follows the small messages' round trips (stream opened, message read and
-    the stream closed by the receiver): 4 × the slowest of the last 32, within [0.25 s, 2 s], 2 s
-    until one is measured; bulk messages set the bandwidth, not the timer. Between three loaded
-    peers on 127.0.0.1 the daemons lost a message every 20-40 s, and the fixed 2 s resend was
-    2-9 % of every peer's wall time (benchmarks/uneven_regions.py)."""
-    stats = ExchangeStats()
-    assert stats.resend_s() == RESEND_MAX_S
-    stats.record_send(0, 0.004)  # an ACK on loopback
-    assert stats.resend_s() == RESEND_MIN_S
-    stats.record_send(300, 0.21)  # a JOIN over a 100 ms link
-    assert stats.resend_s() == pytest.approx(0.84)
-    stats.record_send(1 << 20, 3.0)  # a slice: a transfer, not a round trip
-    assert stats.resend_s() == pytest.approx(0.84) and stats.bandwidth_mbps > 0
-    stats.record_send(0, 1.5)  # an answer queued behind fragment data
-    assert stats.resend_s() == RESEND_MAX_S
-    for _ in range(32):
-        stats.record_send(0, 0.01)
-    assert stats.resend_s() == RESEND_MIN_S  # the slow one has left the window
 
 
 def test_two_peers_get_the_same_average_with_every_codec(dhts) -> None:

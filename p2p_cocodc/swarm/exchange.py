@@ -32,7 +32,7 @@ import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -100,9 +100,6 @@ MAX_SERVED = 64  # of those, the most recent whose averages are kept for peers t
 MESSAGE_TIMEOUT_S = 30.0  # opening a stream and writing one small message
 TICK_S = 0.2
 BULK_BYTES = 64 * 1024  # a message this large or larger waits its turn on the link to its peer
-# a message without its answer is sent again after RESEND_TRIPS × the slowest of the last TRIPS_KEPT
-# small messages' round trips, never sooner than RESEND_MIN_S nor later than RESEND_MAX_S
-RESEND_TRIPS, TRIPS_KEPT, RESEND_MIN_S, RESEND_MAX_S = 4, 32, 0.25, 2.0
 STOP_GRACE_S = 5.0  # how long stop() lets messages being written go out
 LINK_WINDOW = 64  # bulk deliveries the link meter remembers
 
@@ -133,25 +130,12 @@ class ExchangeStats:
     bandwidth_mbps: float = 0.0  # moving average of measured send throughput
     last_round_s: float = NONE_YET  # how long the latest completed all-reduce took here
     rounds_s: float = 0.0  # how long the completed all-reduces took here, summed
-    # the latest small messages' trips: stream opened, written, read and closed by the receiver
-    small_trips_s: deque[float] = field(default_factory=lambda: deque(maxlen=TRIPS_KEPT))
 
     def record_send(self, num_bytes: int, seconds: float) -> None:
-        """A message of ``num_bytes`` tensor bytes has been written and read in ``seconds``."""
-        if num_bytes < BULK_BYTES:
-            self.small_trips_s.append(seconds)
-        elif seconds > 0:
+        """A message of ``num_bytes`` tensor bytes has been written in ``seconds``."""
+        if num_bytes >= 64 * 1024 and seconds > 0:
             mbps = 8e-6 * num_bytes / seconds
             self.bandwidth_mbps = mbps if not self.bandwidth_mbps else 0.8 * self.bandwidth_mbps + 0.2 * mbps
-
-    def resend_s(self) -> float:
-        """How long a message that got no answer waits before it is sent again (``Deadlines``):
-        ``RESEND_TRIPS`` × the slowest recent small message's trip, within [RESEND_MIN_S,
-        RESEND_MAX_S]; RESEND_MAX_S until one is measured. A message the daemons lose (a few a
-        minute between three loaded peers here) cost every peer a fixed 2 s wait for its round."""
-        if not self.small_trips_s:
-            return RESEND_MAX_S
-        return min(RESEND_MAX_S, max(RESEND_MIN_S, RESEND_TRIPS * max(self.small_trips_s)))
 
 
 @dataclass(frozen=True)
@@ -360,15 +344,15 @@ class FragmentExchange:
 
     def current_deadlines(self) -> Deadlines:
         """The deadlines of a round opened now. Transfers are allowed time at the slowest of the
-        run's declared link (--bandwidth-mbps), the send rate measured on bulk messages and
-        ``SLOWEST_LINK_MBPS``, never below ``MIN_LINK_MBPS``. Small answers may wait behind two
-        rounds of fragment data (a sync overlaps the next): ``answer_s`` has that time on top."""
+        run's declared link (--bandwidth-mbps), the send rate measured so far on bulk messages and
+        ``SLOWEST_LINK_MBPS``, never below ``MIN_LINK_MBPS``. A member's small answers share its
+        connections with its fragment data and may wait behind two rounds of it (a sync in flight
+        overlaps the next), so ``answer_s`` has that transfer time on top."""
         measured = self.stats.bandwidth_mbps or math.inf
         link = max(MIN_LINK_MBPS, min(self.link_mbps, measured, SLOWEST_LINK_MBPS))
         queued_s = 8.0 * 2 * self.round_bytes / (link * 1e6)
         return Deadlines(
             round_s=self.round_timeout_s,
-            resend_s=self.stats.resend_s(),
             answer_s=max(2 * self.record_ttl_s, self.round_timeout_s / 4) + queued_s,
             heard_s=self.record_ttl_s,
             slowest_link_mbps=link,
@@ -510,9 +494,11 @@ class FragmentExchange:
         task.add_done_callback(lambda _: self.sending.pop(key, None))
 
     async def _send(self, to: str, message: Message) -> None:
-        """Write one message on a stream of its own. A bulk message (a slice, an average) goes to its
-        peer once the previous one was acknowledged or its transfer allowance ran out (the DHT's
-        board traffic must not queue behind several fragments on a thin link), in round order."""
+        """Write one message on a stream of its own. A bulk message (a slice, an average) goes to
+        its peer only after the previous one was acknowledged, or its transfer allowance ran out:
+        the libp2p connection to a peer also carries the DHT's notice-board traffic, which must
+        not queue behind several fragments at once on a thin link. Bulk messages to one peer go in
+        the order their rounds asked for them, which is the order their results are due."""
         size = payload_bytes(message)
         key = (to, message.round_id, int(message.code), getattr(message, "index", 0))
         for other in [k for k in self.acks_awaited if k[:3] == key[:3] and k != key]:
@@ -544,13 +530,11 @@ class FragmentExchange:
         started = time.perf_counter()
         writer = None
         try:
-            reader, _, writer = await asyncio.wait_for(
+            _, _, writer = await asyncio.wait_for(
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(to), self.protocol), MESSAGE_TIMEOUT_S
             )
             allowance = transfer_allowance_s(size, self.current_deadlines().slowest_link_mbps)
             await asyncio.wait_for(write_frame(writer, message.to_wire()), MESSAGE_TIMEOUT_S + allowance)
-            with contextlib.suppress(Exception):  # until the receiver has read it and closed its end:
-                await asyncio.wait_for(reader.read(1), MESSAGE_TIMEOUT_S + allowance)  # a round trip
             self.stats.record_send(size, time.perf_counter() - started)
             return True
         except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base; the machine re-sends
