@@ -21,7 +21,7 @@ from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
 from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, Part, parse_members, parse_message
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round_events import leader_rank
-from p2p_cocodc.swarm.wire import BadMessage
+from p2p_cocodc.swarm.wire import BadMessage, close_when_read, read_frame, write_frame
 from tests.local_dhts import local_dhts
 
 
@@ -56,11 +56,10 @@ async def stop_all(exchanges: list[FragmentExchange]) -> None:
 
 
 async def send_raw(p2p, target: FragmentExchange, raw: bytes) -> None:
-    """Write raw bytes on one stream to ``target`` and wait until it has taken them in."""
+    """Write raw bytes on one stream to ``target``, close it at once (a frame cut short must end
+    where it ends) and wait until ``target`` has taken them in. A stream closed at once may be lost
+    (``close_when_read``): one that is not taken in by the server's read deadline is sent again."""
     received = target.stats.messages_received
-    # the server reads each stream under its own deadline (MESSAGE_TIMEOUT_S), so a frame cut short
-    # is taken in by then at the latest, however slowly the daemon passes the stream's end on; a
-    # stream the daemon lost under load (seen once in a full run) is settled by then too: sent again
     allowed = exchange_module.MESSAGE_TIMEOUT_S + 10.0
     for attempt in range(3):
         _, _, writer = await p2p.call_binary_stream_handler(target.p2p.peer_id, target.protocol)
@@ -76,16 +75,12 @@ async def send_raw(p2p, target: FragmentExchange, raw: bytes) -> None:
 
 
 async def send(p2p, target: FragmentExchange, message: Message) -> None:
-    """Deliver one well-formed message, sent again while ``target`` took it in cut short: under load
-    the daemon can hand on a stream's end before its bytes (CI saw one such loss in a flood of 21),
-    and an honest peer re-sends too; a frame rejected is never fed to a round, so nothing counts twice."""
-    raw = msgpack.packb(message.to_wire(), use_bin_type=True)
-    for _ in range(3):
-        rejected = target.stats.messages_rejected
-        await send_raw(p2p, target, len(raw).to_bytes(4, "big") + raw)
-        if target.stats.messages_rejected == rejected:
-            return
-    raise AssertionError(f"{message.code.name} was cut short three times in a row")
+    """Deliver one well-formed message as the exchange does: our end closed once ``target`` read it."""
+    received, rejected = target.stats.messages_received, target.stats.messages_rejected
+    _, reader, writer = await p2p.call_binary_stream_handler(target.p2p.peer_id, target.protocol)
+    await write_frame(writer, message.to_wire())
+    assert await close_when_read(reader, writer, exchange_module.MESSAGE_TIMEOUT_S), "it was not read"
+    assert target.stats.messages_received > received and target.stats.messages_rejected == rejected
 
 
 async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
@@ -94,6 +89,48 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0)
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def test_a_sender_closes_its_end_of_a_stream_only_once_the_receiver_has_read_it(dhts) -> None:
+    """p2pd resets a stream whose local end closes (its reading half fails), and a reset drops what
+    the far daemon has not yet handed to its handler: between two loaded daemons here, closing at
+    once lost 3-10 of 3000 small messages without an error on either side, and every peer of a
+    swarm waited 2 s for its round every 15-40 s (benchmarks/lost_messages.py). Every write of the
+    exchange and the state transfer ends with ``close_when_read``: our end stays open until the
+    receiver has read and closed its own, or the deadline passes."""
+
+    async def main():
+        p2ps = [await d.replicate_p2p() for d in dhts[:2]]
+        read, release = asyncio.Event(), asyncio.Event()
+
+        async def serve(info, reader, writer) -> None:
+            await read_frame(reader, 10.0)
+            read.set()
+            await release.wait()
+            writer.close()
+
+        await p2ps[1].add_binary_stream_handler("hold", serve)
+        try:
+            _, reader, writer = await p2ps[0].call_binary_stream_handler(p2ps[1].peer_id, "hold")
+            await write_frame(writer, {"x": 1})
+            closing = asyncio.ensure_future(close_when_read(reader, writer, 30.0))
+            await asyncio.wait_for(read.wait(), 10.0)
+            held = not closing.done() and not writer.is_closing()  # the receiver has not closed yet
+            release.set()
+            closed_in_time = await closing
+            release.clear()
+            _, reader, writer = await p2ps[0].call_binary_stream_handler(p2ps[1].peer_id, "hold")
+            await write_frame(writer, {"x": 2})  # the receiver reads it and keeps its end open
+            gave_up = await close_when_read(reader, writer, 0.5)
+            return held, closed_in_time, gave_up, writer.is_closing()
+        finally:
+            release.set()
+            for p2p in p2ps:
+                await p2p.shutdown()
+
+    held, closed_in_time, gave_up, closed = asyncio.run(main())
+    assert held and closed_in_time
+    assert not gave_up and closed  # a receiver that never closes: ours is closed at the deadline
 
 
 def test_two_peers_get_the_same_average_with_every_codec(dhts) -> None:

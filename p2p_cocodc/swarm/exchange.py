@@ -83,6 +83,7 @@ from p2p_cocodc.swarm.wire import (
     MAX_FRAME,
     SLOWEST_LINK_MBPS,
     BadMessage,
+    close_when_read,
     read_frame,
     transfer_allowance_s,
     write_frame,
@@ -528,21 +529,23 @@ class FragmentExchange:
 
         size = payload_bytes(message)
         started = time.perf_counter()
-        writer = None
         try:
-            _, _, writer = await asyncio.wait_for(
+            _, reader, writer = await asyncio.wait_for(
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(to), self.protocol), MESSAGE_TIMEOUT_S
             )
-            allowance = transfer_allowance_s(size, self.current_deadlines().slowest_link_mbps)
+        except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base; the machine re-sends
+            log.debug("%s to %s: no stream: %s: %s", message.code.name, to[:12], type(exc).__name__, exc)
+            return False
+        allowance = transfer_allowance_s(size, self.current_deadlines().slowest_link_mbps)
+        try:
             await asyncio.wait_for(write_frame(writer, message.to_wire()), MESSAGE_TIMEOUT_S + allowance)
             self.stats.record_send(size, time.perf_counter() - started)
-            return True
-        except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base; the machine re-sends
+        except Exception as exc:  # noqa: BLE001 - as above
             log.debug("%s to %s failed: %s: %s", message.code.name, to[:12], type(exc).__name__, exc)
+            writer.close()
             return False
-        finally:
-            if writer is not None:
-                writer.close()
+        await close_when_read(reader, writer, MESSAGE_TIMEOUT_S + allowance)  # closing now may lose it
+        return True
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()  # authenticated by libp2p; never taken from the payload

@@ -43,6 +43,7 @@ from p2p_cocodc.swarm.limits import Limits, PeerLimiter
 from p2p_cocodc.swarm.wire import (
     MAX_FRAME,
     BadMessage,
+    close_when_read,
     is_index,
     read_frame,
     transfer_allowance_s,
@@ -305,14 +306,14 @@ class StateServer:
                 log.warning("refusing state requests from %s: %s", asker, why)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(write_frame(writer, self._refuse(why)), ASK_TIMEOUT_S)
-            writer.close()
+            await close_when_read(reader, writer, ASK_TIMEOUT_S)
             return
         try:
             ask = await read_frame(reader, ASK_TIMEOUT_S, max_size=ASK_BYTES)
             reply = await self._answer(ask)
-            await asyncio.wait_for(
-                write_frame(writer, reply), ASK_TIMEOUT_S + transfer_allowance_s(len(reply.get("data", b"")))
-            )
+            allowance = transfer_allowance_s(len(reply.get("data", b"")))
+            await asyncio.wait_for(write_frame(writer, reply), ASK_TIMEOUT_S + allowance)
+            await close_when_read(reader, writer, ASK_TIMEOUT_S + allowance)  # closing now may lose it
         except BadMessage as exc:
             log.warning("bad state request from %s: %s", asker, exc)
         except (OSError, TimeoutError, ConnectionError) as exc:
