@@ -69,6 +69,7 @@ if not HELPER:
         Logged,
         code_version,
         end_all,
+        exchange_goodput,
         hivemind_sockets,
         notable,
         records,
@@ -470,17 +471,15 @@ def final_ppl(peer: dict[str, Any]) -> float | None:
 def goodput(system: str, peer: dict[str, Any], mbps: float) -> dict[str, Any]:
     """Exchange goodput ÷ shaped bandwidth of one peer (docs/hivemind-baseline.md, "Definitions")."""
     s = peer["summary"]
-    rate = mbps * 1e6 / 8
     if system == "ours":
-        rounds, mean = s.get("rounds_done") or 0, s.get("mean_round_s") or 0.0
-        sent, seconds = s.get("bytes_sent") or 0, rounds * mean
-    else:
-        done = [r for r in s.get("rounds", []) if r["seconds"] > 0.1]
-        rounds, sent, seconds = (
-            len(done),
-            sum(r["uplink_bytes"] for r in done),
-            sum(r["seconds"] for r in done),
-        )
+        return exchange_goodput(s, mbps)
+    done = [r for r in s.get("rounds", []) if r["seconds"] > 0.1]
+    rounds, sent, seconds = (
+        len(done),
+        sum(r["uplink_bytes"] for r in done),
+        sum(r["seconds"] for r in done),
+    )
+    rate = mbps * 1e6 / 8
     return {
         "rounds": rounds,
         "round_s": round(seconds, 1),

@@ -336,6 +336,17 @@ def records(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def exchange_goodput(summary: dict[str, Any] | None, mbps: float) -> dict[str, Any]:
+    """One peer's exchange goodput ÷ shaped bandwidth (docs/hivemind-baseline.md, "Definitions"): the
+    payload bytes its rounds sent ÷ (the link's rate × the time those rounds took, from this peer
+    starting each to its holding the average)."""
+    summary = summary or {}
+    rounds, mean = summary.get("rounds_done") or 0, summary.get("mean_round_s") or 0.0
+    sent, seconds = summary.get("bytes_sent") or 0, rounds * mean
+    ratio = round(sent / (mbps * 1e6 / 8 * seconds), 3) if seconds else None
+    return {"rounds": rounds, "round_s": round(seconds, 1), "bytes": sent, "ratio": ratio}
+
+
 def stall_shares(evals: list[dict[str, Any]], narrowed: dict | None, steps: int) -> dict[str, float]:
     """A peer's stalled share of wall time from its evaluation records: before the links narrowed,
     from then on, and over the run's last third (``whole`` without a narrowing)."""
@@ -483,6 +494,7 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
                     "rounds_failed": summary.get("rounds_failed") if summary else None,
                     "final_val_ppl": summary.get("final_val_ppl") if summary else None,
                     "bytes_sent": (summary or (evals[-1] if evals else {})).get("bytes_sent"),
+                    "goodput": exchange_goodput(summary, mbps),
                     "max_send_q": max(peer_send_q, default=0),
                     # from the log, for a peer that wrote no summary: rounds it saw a group for, and
                     # fragment syncs it logged as failed
@@ -557,6 +569,10 @@ def report(result: dict[str, Any]) -> str:
         lines.append(
             f"\nnarrowed to {n['to_mbps']:g} Mbit/s at {n['t']} s, after peer 0's step {n['after_step']}"
         )
+    lines.append("exchange goodput ÷ shaped bandwidth: " + ", ".join(
+        f"peer {p['peer']} {g['ratio']} ({g['bytes'] / 1e6:.2f} MB in {g['rounds']} rounds, {g['round_s']} s)"
+        for p in result["peers"] if (g := p["goodput"])["ratio"] is not None
+    ))  # fmt: skip
     lines.append("stalled share of wall time, by part of the run: " + "; ".join(
         f"peer {p['peer']} " + ", ".join(f"{k} {v:.1%}" for k, v in p["stall_shares"].items())
         for p in result["peers"]

@@ -529,21 +529,19 @@ class FragmentExchange:
 
         size = payload_bytes(message)
         started = time.perf_counter()
+        allowance = transfer_allowance_s(size, self.current_deadlines().slowest_link_mbps)
+        writer = None
         try:
             _, reader, writer = await asyncio.wait_for(
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(to), self.protocol), MESSAGE_TIMEOUT_S
             )
-        except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base; the machine re-sends
-            log.debug("%s to %s: no stream: %s: %s", message.code.name, to[:12], type(exc).__name__, exc)
-            return False
-        allowance = transfer_allowance_s(size, self.current_deadlines().slowest_link_mbps)
-        try:
             await asyncio.wait_for(write_frame(writer, message.to_wire()), MESSAGE_TIMEOUT_S + allowance)
-            self.stats.record_send(size, time.perf_counter() - started)
-        except Exception as exc:  # noqa: BLE001 - as above
+        except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base; the machine re-sends
             log.debug("%s to %s failed: %s: %s", message.code.name, to[:12], type(exc).__name__, exc)
-            writer.close()
+            if writer is not None:
+                writer.close()
             return False
+        self.stats.record_send(size, time.perf_counter() - started)
         await close_when_read(reader, writer, MESSAGE_TIMEOUT_S + allowance)  # closing now may lose it
         return True
 
