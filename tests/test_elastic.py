@@ -90,7 +90,9 @@ def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
     assert replayed["global_params_sha256"] == summaries[0]["global_params_sha256"]
 
 
-JOIN_STEPS = 1024  # founders still train when the fifth is refused (in CI it took 28 s to start)
+# the founders still train when the fifth is refused (in CI it took 28 s to start): 320 steps held to
+# 0.25 s each (--min-step-time) keep them training for 80 s without keeping the machine's cores busy
+JOIN_STEPS, STEP_FLOOR_S = 320, "0.25"
 
 
 def test_a_peer_joins_a_run_in_progress_and_a_fifth_is_refused(tmp_path: Path) -> None:
@@ -103,7 +105,17 @@ def test_a_peer_joins_a_run_in_progress_and_a_fifth_is_refused(tmp_path: Path) -
     # the configured pace: the founders must still be training when the fifth is refused, and a
     # run paced by this loaded machine's slow acknowledgements can go twice as fast
     common = ["join", "--bootstrap", boot.maddr, "--algo", "cocodc", *TINY, "--steps", str(JOIN_STEPS)]
-    common += ["--pace", "fixed", "--max-peers", "4", "--run-id", "elastic", "--verbose"]
+    common += [
+        "--pace",
+        "fixed",
+        "--max-peers",
+        "4",
+        "--run-id",
+        "elastic",
+        "--verbose",
+        "--min-step-time",
+        STEP_FLOOR_S,
+    ]
     peers: dict[str, subprocess.Popen] = {}
 
     def start(name: str) -> None:
