@@ -338,13 +338,26 @@ def records(path: Path) -> list[dict[str, Any]]:
 
 def exchange_goodput(summary: dict[str, Any] | None, mbps: float) -> dict[str, Any]:
     """One peer's exchange goodput ÷ shaped bandwidth (docs/hivemind-baseline.md, "Definitions"): the
-    payload bytes its rounds sent ÷ (the link's rate × the time those rounds took, from this peer
-    starting each to its holding the average)."""
+    payload bytes its rounds sent ÷ (the link's rate × the time those rounds took): ``ratio`` from
+    this peer reaching each round to its holding the average (the other members' arrival included),
+    ``butterfly_ratio`` from the group's adoption (every member there) to the average."""
     summary = summary or {}
     rounds, mean = summary.get("rounds_done") or 0, summary.get("mean_round_s") or 0.0
     sent, seconds = summary.get("bytes_sent") or 0, rounds * mean
-    ratio = round(sent / (mbps * 1e6 / 8 * seconds), 3) if seconds else None
-    return {"rounds": rounds, "round_s": round(seconds, 1), "bytes": sent, "ratio": ratio}
+    butterfly_s = (summary.get("butterflies") or 0) * (summary.get("mean_butterfly_s") or 0.0)
+    rate = mbps * 1e6 / 8
+
+    def ratio(s: float) -> float | None:
+        return round(sent / (rate * s), 3) if s else None
+
+    return {
+        "rounds": rounds,
+        "round_s": round(seconds, 1),
+        "butterfly_s": round(butterfly_s, 1),
+        "bytes": sent,
+        "ratio": ratio(seconds),
+        "butterfly_ratio": ratio(butterfly_s),
+    }
 
 
 def stall_shares(evals: list[dict[str, Any]], narrowed: dict | None, steps: int) -> dict[str, float]:
@@ -570,7 +583,8 @@ def report(result: dict[str, Any]) -> str:
             f"\nnarrowed to {n['to_mbps']:g} Mbit/s at {n['t']} s, after peer 0's step {n['after_step']}"
         )
     lines.append("exchange goodput ÷ shaped bandwidth: " + ", ".join(
-        f"peer {p['peer']} {g['ratio']} ({g['bytes'] / 1e6:.2f} MB in {g['rounds']} rounds, {g['round_s']} s)"
+        f"peer {p['peer']} {g['ratio']} ({g['bytes'] / 1e6:.2f} MB, {g['rounds']} rounds, {g['round_s']} s; "
+        f"{g['butterfly_ratio']} over the butterflies' own {g['butterfly_s']} s)"
         for p in result["peers"] if (g := p["goodput"])["ratio"] is not None
     ))  # fmt: skip
     lines.append("stalled share of wall time, by part of the run: " + "; ".join(

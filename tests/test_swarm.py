@@ -99,6 +99,12 @@ def test_three_peers_equal_the_simulator(tmp_path: Path, algo: str, codec: str, 
     # the end's wait for the last syncs is apart from the training time that tokens/s counts
     assert all(0 < s["finish_s"] < s["wall_time_s"] for s in summaries)
     assert all(0 < s["mean_round_s"] < s["wall_time_s"] for s in summaries)  # arrival to average
+    # the butterflies' own time (adoption to average) is within the rounds' (arrival to average)
+    assert all(0 < s["butterflies"] <= s["rounds_done"] for s in summaries)
+    assert all(
+        0 < s["mean_butterfly_s"] * s["butterflies"] <= s["mean_round_s"] * s["rounds_done"]
+        for s in summaries
+    )
     assert len({s["global_params_sha256"] for s in summaries}) == 1
     assert all(s["final_val_ppl"] < s["initial_val_ppl"] * 0.8 for s in summaries)
     # the simulator models what a member sends on average: (M−1)/M of the slices and of their means

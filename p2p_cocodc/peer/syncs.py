@@ -605,6 +605,9 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         "rounds_done": stats.rounds_done,
         # from this peer's arrival at a round to its average: the others' arrival included
         "mean_round_s": stats.rounds_s / stats.rounds_done if stats.rounds_done else None,
+        # from the group's adoption (every member present) to the average: the transfers alone
+        "butterflies": stats.butterflies,
+        "mean_butterfly_s": stats.butterflies_s / stats.butterflies if stats.butterflies else None,
         "rounds_failed": stats.rounds_failed,
         "bytes_resent": stats.bytes_resent,
         "bytes_served": stats.bytes_served,

@@ -131,6 +131,19 @@ class ExchangeStats:
     bandwidth_mbps: float = 0.0  # moving average of measured send throughput
     last_round_s: float = NONE_YET  # how long the latest completed all-reduce took here
     rounds_s: float = 0.0  # how long the completed all-reduces took here, summed
+    # completed butterflies of two or more members, and their time here from the group's adoption
+    # (every member present) to the average: the link's part of a round, without the arrival skew
+    butterflies: int = 0
+    butterflies_s: float = 0.0
+
+    def record_round(self, completed: Completed, started: float, adopted: float, now: float) -> None:
+        """A round completed at ``now``: this peer reached it at ``started``, adopted its group then."""
+        self.rounds_done += 1
+        self.last_round_s = now - started
+        self.rounds_s += self.last_round_s
+        if completed.by_butterfly and len(completed.members) > 1:
+            self.butterflies += 1
+            self.butterflies_s += now - adopted
 
     def record_send(self, num_bytes: int, seconds: float) -> None:
         """A message of ``num_bytes`` tensor bytes has been written in ``seconds``."""
@@ -318,9 +331,7 @@ class FragmentExchange:
             self.waiting.pop(round_id, None)
         if isinstance(result, Completed):
             self.cosines.add([p for p, _ in result.cosines], [c for _, c in result.cosines])
-            self.stats.rounds_done += 1
-            self.stats.last_round_s = time.monotonic() - started
-            self.stats.rounds_s += self.stats.last_round_s
+            self.stats.record_round(result, started, machine.adopted_at, time.monotonic())
             if result.screened_out:
                 self.outliers.update(result.screened_out)
                 log.warning(
