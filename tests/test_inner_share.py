@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from p2p_cocodc.algorithms.aggregation import Aggregation, aggregate
 from p2p_cocodc.algorithms.inner_share import (
+    RegionShare,
     auto_share,
     parse_shares,
     recent_steps,
@@ -62,6 +63,26 @@ def test_auto_trains_in_proportion_to_speed_and_every_step_within_ten_percent_of
     assert auto_share(0.40, 0.10) == pytest.approx(0.25 / 1.1)
     assert auto_share(0.0, 0.10) == 1.0  # not measured yet
     assert auto_share(0.20, 0.0) == 1.0  # nobody published a step time yet
+
+
+def test_a_region_training_every_step_takes_a_share_when_clearly_slower_or_slower_for_a_window() -> None:
+    """Equal regions whose step-time averages jitter past 10 % for a few steps keep training every
+    step (they skipped 2-5 of 768 steps before); a half-speed region takes its share at its first
+    step; one 15 % slower for a whole window of H steps takes its share then."""
+    region = RegionShare(None, 16)
+    for _ in range(15):  # 0.87 of the fastest's speed: noise, for now
+        assert not region.choose(0.115, lambda: 0.10) and region.steps == 16
+    assert region.choose(0.115, lambda: 0.10) and region.steps == round(16 * 0.10 / 0.115 / 1.1)
+    assert region.choose(0.10, lambda: 0.10) and region.steps == 16  # as fast again: every step
+    for _ in range(8):
+        region.choose(0.115, lambda: 0.10)
+    region.choose(0.10, lambda: 0.10)  # a dip that ended: the count starts again
+    for _ in range(15):
+        assert not region.choose(0.115, lambda: 0.10) and region.steps == 16
+    half = RegionShare(None, 16)
+    assert half.choose(0.20, lambda: 0.10) and half.steps == round(16 * 0.5 / 1.1)  # at once
+    fixed = RegionShare(1.0, 16)
+    assert not fixed.choose(0.20, lambda: 0.10) and fixed.steps == 16  # a set share never changes
 
 
 def test_inner_share_values_are_refused_in_one_line_naming_the_option() -> None:
