@@ -24,3 +24,26 @@ atexit.register(shutil.rmtree, _STATE, ignore_errors=True)
 # `status` would find it deaf. Their processes get the default disposition, as from a terminal.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The files that start real swarms, longest first (seconds of a full run on 2 cores, 2026-11-28). The
+# suite runs files on two workers in collection order (`--no-loadscope-reorder` in pyproject.toml:
+# xdist would otherwise order them by their number of tests, which put test_restarts' three tests
+# of 45-55 s each last, alone on one worker for minutes); the long ones go first, as in the
+# longest-processing-time rule, so the short ones fill in at the end.
+LONGEST_FIRST = (
+    "test_swarm.py",  # ~250
+    "test_elastic.py",  # ~200
+    "test_hostile.py",  # ~150
+    "test_restarts.py",  # ~145
+    "test_stops.py",  # ~130
+    "test_netns.py",  # ~100
+    "test_theta_agreement.py",  # ~75
+    "test_round_model.py",  # ~55
+    "test_region.py",  # ~50
+    "test_demo.py",  # ~45
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected
