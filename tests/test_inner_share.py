@@ -65,24 +65,28 @@ def test_auto_trains_in_proportion_to_speed_and_every_step_within_ten_percent_of
     assert auto_share(0.20, 0.0) == 1.0  # nobody published a step time yet
 
 
-def test_a_region_training_every_step_takes_a_share_when_clearly_slower_or_slower_for_a_window() -> None:
-    """Equal regions whose step-time averages jitter past 10 % for a few steps keep training every
-    step (they skipped 2-5 of 768 steps before); a half-speed region takes its share at its first
-    step; one 15 % slower for a whole window of H steps takes its share then."""
+def test_auto_chooses_from_the_median_of_the_last_window_of_step_times() -> None:
+    """One slow step (a sync's merge at a boundary) does not make an equal region skip steps, as a
+    moving average of step times did (2-5 of 768); a region slower for most of a window, or from
+    its trial step on, takes its share."""
     region = RegionShare(None, 16)
-    for _ in range(15):  # 0.87 of the fastest's speed: noise, for now
-        assert not region.choose(0.115, lambda: 0.10) and region.steps == 16
-    assert region.choose(0.115, lambda: 0.10) and region.steps == round(16 * 0.10 / 0.115 / 1.1)
-    assert region.choose(0.10, lambda: 0.10) and region.steps == 16  # as fast again: every step
+    region.measured(0.05)  # the trial step before step 1
+    assert not region.choose(lambda: 0.05) and region.steps == 16
+    for step_s in [0.05] * 6 + [0.40] + [0.05] * 3:  # one step 8 × as long
+        region.measured(step_s)
+        assert not region.choose(lambda: 0.05) and region.steps == 16
     for _ in range(8):
-        region.choose(0.115, lambda: 0.10)
-    region.choose(0.10, lambda: 0.10)  # a dip that ended: the count starts again
-    for _ in range(15):
-        assert not region.choose(0.115, lambda: 0.10) and region.steps == 16
+        region.measured(0.10)
+    assert region.choose(lambda: 0.05) and region.steps == round(16 * 0.5 / 1.1)  # half speed now
+    for _ in range(9):
+        region.measured(0.05)
+    assert region.choose(lambda: 0.05) and region.steps == 16  # as fast again
     half = RegionShare(None, 16)
-    assert half.choose(0.20, lambda: 0.10) and half.steps == round(16 * 0.5 / 1.1)  # at once
+    half.measured(0.10)
+    assert half.choose(lambda: 0.05) and half.steps == round(16 * 0.5 / 1.1)  # from step 1
     fixed = RegionShare(1.0, 16)
-    assert not fixed.choose(0.20, lambda: 0.10) and fixed.steps == 16  # a set share never changes
+    fixed.measured(0.10)
+    assert not fixed.choose(lambda: 0.05) and fixed.steps == 16  # a set share never changes
 
 
 def test_inner_share_values_are_refused_in_one_line_naming_the_option() -> None:

@@ -29,11 +29,10 @@ spare lets the region catch up with steps it lost (its first ones, trained befor
 the others' speed, or a hiccup) instead of trailing the others by as much for the rest of the run.
 A region within ``FULL_WITHIN`` of the fastest trains every step, so equal hardware whose measured
 times differ by noise is left alone. A peer chooses its share again before every step, so it
-follows a region that slows down or speeds up mid-run; but a region that trains every step takes a
-share only once it has measured itself slower than ``FULL_WITHIN`` for a whole window of H steps,
-or at once if it is slower than ``CLEARLY_SLOWER`` (a half-speed region, from its first step): a
-step-time average jittered past 10 % for a few steps made equal regions skip steps (763-766 of 768
-between three equal peers of ``benchmarks/uneven_regions.py``).
+follows a region that slows down or speeds up mid-run. t_own is the median of its last H step
+times, so one slow step (a sync's merge at a boundary, a busy machine) does not move it: an average
+that one such step raised past 10 % made equal regions skip steps (2-5 of 768 between the equal
+peers of ``benchmarks/uneven_regions.py``, both fast peers at once after a boundary).
 
 Nothing here is agreed by the swarm: a region's share changes only which steps it trains and the
 weight its PARTs carry, never which rounds it takes part in, so peers with different shares train
@@ -43,13 +42,14 @@ one run, and the simulator (``--inner-share`` per worker) reproduces the swarm b
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable
 
 from p2p_cocodc.errors import UserError
 
 FULL_WITHIN = 0.9  # auto: a region at least 0.9 × as fast as the fastest trains every step
 CATCH_UP = 1.1  # auto: a slower region trains 1/1.1 of what its speed allows, so it catches up
-CLEARLY_SLOWER = 0.75  # auto: a full region below 0.75 × the fastest's speed takes its share at once
 
 
 def share_steps(share: float, inner_steps: int) -> int:
@@ -114,20 +114,19 @@ class RegionShare:
         self.inner_steps = inner_steps
         self.auto = share is None
         self.steps = inner_steps if share is None else share_steps(share, inner_steps)  # k
-        self.slower_for = 0  # auto, training every step: the choices in a row that found it slower
+        self.times: deque[float] = deque(maxlen=inner_steps)  # auto: its last H step times
 
-    def choose(self, own_step_s: float, fastest_step_s: Callable[[], float]) -> bool:
-        """Auto: k for the step times now (``fastest_step_s`` asked only then); True if it changed.
-        A region training every step leaves it only when clearly slower, or slower for a window."""
+    def measured(self, step_s: float) -> None:
+        """One step took ``step_s`` here (or, before the first, a trial step on a throwaway copy)."""
+        self.times.append(step_s)
+
+    def choose(self, fastest_step_s: Callable[[], float]) -> bool:
+        """Auto: k for the median of its last H step times and the fastest on the board
+        (``fastest_step_s``, asked only then); True if it changed."""
         if not self.auto:
             return False
-        share = auto_share(own_step_s, fastest_step_s())
-        chosen = share_steps(share, self.inner_steps)
-        if self.steps == self.inner_steps and chosen < self.inner_steps:
-            self.slower_for += 1
-            if self.slower_for < self.inner_steps and share * CATCH_UP >= CLEARLY_SLOWER:
-                return False
-        self.slower_for = 0
+        own = statistics.median(self.times) if self.times else 0.0
+        chosen = share_steps(auto_share(own, fastest_step_s()), self.inner_steps)
         changed, self.steps = chosen != self.steps, chosen
         return changed
 

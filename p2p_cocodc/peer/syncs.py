@@ -92,6 +92,8 @@ class SwarmReplica:
         self.step_time_s = step_time_s or 0.0
         self.min_step_s = 0.0  # --min-step-time: a slower region emulated
         self.share = RegionShare((setup.cfg.inner_shares() or [None])[0], settings.inner_steps)
+        if step_time_s:  # measured before step 1 (``node.first_step_time``)
+            self.share.measured(step_time_s)
         self.step_timer = StepTimer(setup.placement.device)
         self.stall_s = 0.0
         self.boundary_s = 0.0  # time between steps spent on sync work (snapshot, send, merge), waits left out
@@ -281,7 +283,7 @@ class SwarmReplica:
     async def train_step(self, step: int) -> float | torch.Tensor | None:
         """One inner step, or None on a step this region's share leaves out (``--inner-share``)."""
         assert self.data is not None
-        if self.presence is not None and self.share.choose(self.step_time_s, self.presence.fastest_step_s):
+        if self.presence is not None and self.share.choose(self.presence.fastest_step_s):
             log.info("trains %s from step %d (--inner-share auto)", self.share, step)
         if not self.share.trains(step):
             return None
@@ -295,6 +297,7 @@ class SwarmReplica:
         if elapsed is not None:
             first = step == 1 or self.step_time_s == 0.0
             self.step_time_s = elapsed if first else 0.9 * self.step_time_s + 0.1 * elapsed
+            self.share.measured(elapsed)
         self.steps_trained += 1
         return loss
 
