@@ -110,14 +110,16 @@ class RegionShare:
     """One region's --inner-share as it trains: a fixed share, or auto (``share`` None), chosen
     again before every step from its own step time and the fastest one on the board."""
 
-    def __init__(self, share: float | None, inner_steps: int) -> None:
+    def __init__(self, share: float | None, inner_steps: int, trial_step_s: float | None = None) -> None:
         self.inner_steps = inner_steps
         self.auto = share is None
         self.steps = inner_steps if share is None else share_steps(share, inner_steps)  # k
         self.times: deque[float] = deque(maxlen=inner_steps)  # auto: its last H step times
+        if trial_step_s:  # a step measured before step 1 (``node.first_step_time``)
+            self.times.append(trial_step_s)
 
     def measured(self, step_s: float) -> None:
-        """One step took ``step_s`` here (or, before the first, a trial step on a throwaway copy)."""
+        """One step took ``step_s`` here."""
         self.times.append(step_s)
 
     def choose(self, fastest_step_s: Callable[[], float]) -> bool:

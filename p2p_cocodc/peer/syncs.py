@@ -91,9 +91,7 @@ class SwarmReplica:
         self.step = 0
         self.step_time_s = step_time_s or 0.0
         self.min_step_s = 0.0  # --min-step-time: a slower region emulated
-        self.share = RegionShare((setup.cfg.inner_shares() or [None])[0], settings.inner_steps)
-        if step_time_s:  # measured before step 1 (``node.first_step_time``)
-            self.share.measured(step_time_s)
+        self.share = RegionShare((setup.cfg.inner_shares() or [None])[0], settings.inner_steps, step_time_s)
         self.step_timer = StepTimer(setup.placement.device)
         self.stall_s = 0.0
         self.boundary_s = 0.0  # time between steps spent on sync work (snapshot, send, merge), waits left out
@@ -131,8 +129,7 @@ class SwarmReplica:
         take_state: Callable[[], Awaitable[None]],
         on_step: Callable[[], None],
     ) -> None:
-        """The swarm's parts, the run's stop request, how to take the swarm's state again, and what
-        to call after each step (the peer's metrics)."""
+        """The swarm's parts, the stop request, how to resync, what to call after each step (metrics)."""
         self.exchange, self.state_server, self.presence = exchange, state_server, presence
         self.stop, self.take_state = stop, take_state
         self.on_step = on_step
