@@ -206,22 +206,44 @@ def test_a_paced_schedule_spaces_its_slots_never_below_h_over_n_and_keeps_the_sp
 
 
 def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> None:
-    # the link is busy 3 s per round, a step takes 0.25 s: with 25 % headroom, a slot every 15 steps,
-    # rounded up to a multiple of the configured 6
-    assert paced_spacing(6, 24, 3.0, 0.25) == 18
-    assert paced_spacing(6, 24, 2.4, 0.25) == 12  # exactly 12
-    assert paced_spacing(6, 24, 0.1, 0.25) == 6  # a fast link: the configured ⌊H/N⌋
-    assert paced_spacing(6, 24, 600.0, 0.25) == 4 * 24  # at most one slot every 4·H steps
-    assert paced_spacing(6, 24, 0.0, 0.25) == 6  # nothing measured yet
-    assert paced_spacing(6, 24, 3.0, 0.0) == 6
+    # ⌊H/N⌋ = 24 of H = 48; the link is busy 3 s per round, a step takes 0.1 s: with 25 % headroom,
+    # a slot every 37.5 steps, rounded up to a multiple of a quarter of 24
+    assert paced_spacing(24, 48, 3.0, 0.1) == 42
+    assert paced_spacing(24, 48, 4.32, 0.1) == 54  # exactly 54
+    assert paced_spacing(24, 48, 0.5, 0.1) == 24  # a fast link: the configured ⌊H/N⌋
+    assert paced_spacing(24, 48, 600.0, 0.1) == 4 * 48  # at most one slot every 4·H steps
+    assert paced_spacing(24, 48, 0.0, 0.1) == 24  # nothing measured yet
+    assert paced_spacing(24, 48, 3.0, 0.0) == 24
+    assert paced_spacing(3, 24, 1.0, 0.25) == 5  # ⌊H/N⌋ under 4: whole steps
     # going back to a narrower spacing needs 1.4× the busy time there, not 1.25×
-    assert paced_spacing(6, 24, 1.1, 0.25, current=12) == 12  # 1.25 · 1.1 s = 5.5 steps, 1.4 · 1.1 = 6.16
-    assert paced_spacing(6, 24, 0.9, 0.25, current=12) == 6  # 1.4 · 0.9 s = 5.04 steps
-    assert paced_spacing(6, 24, 1.5, 0.25, current=18) == 12  # 1.4 · 1.5 s = 8.4 steps: one slot less
-    assert paced_spacing(6, 24, 2.2, 0.25, current=18) == 18  # 1.25 · 2.2 s = 11 steps, but 1.4 · 2.2 = 12.3
-    assert paced_spacing(6, 24, 0.9, 0.25, current=12, settled=False) == 12  # a round or two: no narrower
-    assert paced_spacing(6, 24, 3.0, 0.25, current=12, settled=False) == 18  # but wider at once
-    assert paced_spacing(6, 24, 3.0, 0.25, current=12) == 18  # wider as before
+    assert paced_spacing(24, 48, 3.3, 0.1, current=48) == 48  # 1.25 · 3.3 s = 41.25 steps, 1.4 · 3.3 = 46.2
+    assert paced_spacing(24, 48, 2.8, 0.1, current=48) == 42  # 1.4 · 2.8 s = 39.2 steps
+    assert paced_spacing(24, 48, 2.8, 0.1, current=48, settled=False) == 48  # a round or two: no narrower
+    assert paced_spacing(24, 48, 4.0, 0.1, current=42, settled=False) == 54  # but wider at once
+    assert paced_spacing(24, 48, 4.0, 0.1, current=42) == 54  # wider as before
+
+
+def test_a_paced_schedule_counts_its_slots_from_the_last_send() -> None:
+    """Two sends are never closer than the spacing, across a change of it either way (the multiples
+    of a new spacing may lie a step after the last send)."""
+    schedule = AdaptiveSchedule(inner_steps=24, num_fragments=4, transmissions=1)  # a slot every 24
+
+    def sends(steps: range) -> list[int]:
+        sent = []
+        for t in steps:
+            for p in schedule.select(t, ()):
+                schedule.record_send(p, t)
+                sent.append(t)
+        return sent
+
+    assert sends(range(1, 30)) == [24]
+    schedule.set_spacing(36)  # at step 29: the multiples of 36 would send at 36, 12 steps after 24
+    assert sends(range(30, 100)) == [60, 96]
+    schedule.set_spacing(30)  # narrower, at step 99: 30 after the last send, not at the multiples of 30
+    assert sends(range(100, 160)) == [126, 156]
+    restored = AdaptiveSchedule(inner_steps=24, num_fragments=4, transmissions=1)
+    restored.load_state_dict(schedule.state_dict())  # a joiner's slots are the swarm's
+    assert [t for t in range(157, 200) if restored.select(t, ())] == [186]
 
 
 def test_adaptive_schedule_picks_highest_drift() -> None:

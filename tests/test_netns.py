@@ -141,7 +141,7 @@ def test_a_reason_instead_of_a_network_when_namespaces_cannot_be_made(monkeypatc
 # from each peer (1.1 s at 2 Mbit/s) while a step takes about 15 ms, so the configured slot every
 # 12 steps asks for ~6 times what the link carries
 THIN = ["--algo", "cocodc", "--model", "nano", "--tokenizer", "byte", "--seq-len", "32", "--batch-size", "4"]
-THIN += ["--workers", "3", "--steps", "288", "--inner-steps", "24", "--fragments", "2", "--overlap", "4"]
+THIN += ["--workers", "3", "--steps", "336", "--inner-steps", "24", "--fragments", "2", "--overlap", "4"]
 THIN += ["--eval-every", "96", "--eval-batches", "2", "--threads", "1"]
 THIN += ["--codec", "fp32"]  # fp32's rounds fill these links and widen the pace; fp4's fit at the set pace
 
@@ -201,7 +201,8 @@ def test_three_peers_over_thin_links_send_less_and_end_with_one_global_model(tmp
     assert len(spacings) == 1 and spacings.pop() > 12, summaries
     rounds = [r for r in outs[0] if r["kind"] == "round" and r["completed"]]
     assert max(r["pace"] for r in rounds) > 12 and "the swarm now sends a fragment every" in logs, rounds
-    # sending less still syncs every fragment: slots wider than H go round them, stalest first
+    # sending less still syncs every fragment: slots wider than H go round them, stalest first (336
+    # steps: after the last unpaced send at 24, two slots at the widest pace, 4·H = 96, land by 311)
     late = {r["round"].split(":")[0] for r in rounds if int(r["round"].split(":")[1]) > 24}
     assert late == {"f0", "f1"}, rounds
     assert_replayed(tmp_path, THIN, summaries[0])

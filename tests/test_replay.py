@@ -114,7 +114,7 @@ def test_a_round_the_events_do_not_record_is_refused_with_one_line(tmp_path: Pat
 
 def test_a_pace_agreed_with_a_round_spaces_the_later_sends_and_a_joiner_keeps_it(tmp_path: Path) -> None:
     """cocodc with H = 8, N = 4: a send slot every 2 steps. The round sent after step 2 (fragment 0,
-    applied after step 4, τ = 2) agreed on a pace of 6: from then on slots are every 6 steps, on
+    applied after step 4, τ = 2) agreed on a pace of 6: from then on slots are 6 steps apart, on
     every replica, and a replica that joins later takes the spacing over with the shared state."""
     options = {"algo": "cocodc", "transmissions": 4, "steps": 40}
     all_rounds = {
@@ -124,8 +124,10 @@ def test_a_pace_agreed_with_a_round_spaces_the_later_sends_and_a_joiner_keeps_it
     RecordsRounds.rounds_seen = []
     paced_hash = paced.run(RunLog(None))["global_params_sha256"]
     sent_at = [int(r.split(":")[1]) for r in RecordsRounds.rounds_seen]
-    # applied after step 4 before step 4's sends (apply, send, apply): slot 4 is already paced
-    assert sent_at[0] == 2 and all(t % 6 == 0 for t in sent_at[1:]) and len(sent_at) > 4, sent_at
+    # applied after step 4 before step 4's sends (apply, send, apply): slot 4 is already paced, and
+    # the slots are counted from the last send (step 2)
+    gaps = {b - a for a, b in zip(sent_at[1:], sent_at[2:], strict=False)}
+    assert sent_at[:2] == [2, 8] and gaps == {6} and len(sent_at) > 4, sent_at
     assert {w.strategy.schedule.spacing for w in paced.workers.values()} == {6}  # type: ignore[attr-defined]
     assert paced_hash != run(tmp_path, all_rounds, **options)  # sending less changes what is learnt
     # the same replay with shard 2 joining after step 20 (from shared state): slots stay 6 apart

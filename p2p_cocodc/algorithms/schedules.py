@@ -18,6 +18,7 @@ MAX_PACE_PERIODS = 4  # a paced schedule sends at least once every 4·H steps
 PACE_HEADROOM = 1.25  # a paced schedule keeps a link busy at most 1/1.25 = 80 % of the time
 PACE_NARROWING_HEADROOM = 1.4  # and goes back to a narrower spacing only at 1/1.4 = 71 % busy there
 NARROW_AFTER_ROUNDS = 3  # rounds of a link measured before it may ask for a narrower spacing
+PACE_GRAIN = 4  # a paced spacing moves in steps of ⌊H/N⌋ / 4 (at least 1)
 
 
 def delta_rms(delta: torch.Tensor) -> float:
@@ -89,7 +90,9 @@ class FixedSchedule:
 class AdaptiveSchedule:
     """CoCoDC's adaptive transmission, in the variant a peer-to-peer swarm can agree on silently.
 
-    One slot every h = ⌊H/N⌋ steps. At a slot, among fragments not in flight: the fragment sent
+    One slot every h = ⌊H/N⌋ steps, counted from the last send: a slot at step t when
+    t − (the last step any fragment was sent) is a positive multiple of h (at first, the multiples
+    of h). At a slot, among fragments not in flight: the fragment sent
     longest ago if it was not sent for ≥ H steps (staleness bound; ties: the first); else the first
     never-sent fragment; else the highest
     drift score rms(last averaged Δ_p) · (steps since p's last send) / (length of p's last
@@ -97,7 +100,9 @@ class AdaptiveSchedule:
 
     The spacing may be widened while the run goes on (``set_spacing``: "send less"), from a value
     every replica learns at the same step (in a swarm, with a round's average; see ``paced_spacing``);
-    it is never narrower than ⌊H/N⌋, and it is part of the state.
+    it is never narrower than ⌊H/N⌋, and it is part of the state. Slots counted from the last send
+    keep two sends at least the spacing apart across a change of it (the multiples of a new spacing
+    may lie a step after the last send), and need no state beyond the send steps.
     """
 
     scores_results = True
@@ -112,7 +117,8 @@ class AdaptiveSchedule:
         self.last_rms = [0.0] * num_fragments
 
     def select(self, step: int, in_flight: Collection[int]) -> list[int]:
-        if step <= 0 or step % self.spacing:
+        last = max(self.last_send)
+        if step <= last or (step - last) % self.spacing:
             return []
         free = [p for p in range(len(self.sent)) if p not in in_flight]
         if not free:
@@ -142,8 +148,8 @@ class AdaptiveSchedule:
         self.last_rms[fragment] = rms
 
     def set_spacing(self, spacing: int) -> None:
-        """Send slots every ``spacing`` steps from now on (slots are the multiples of it), kept within
-        [⌊H/N⌋, 4·H]: a pace asked for by a faulty or hostile peer can slow a swarm no further."""
+        """Send slots every ``spacing`` steps from the last send on, kept within [⌊H/N⌋, 4·H]: a pace
+        asked for by a faulty or hostile peer can slow a swarm no further."""
         if not isinstance(spacing, int) or isinstance(spacing, bool) or spacing < 1:
             raise ValueError(f"a send-slot spacing must be an int ≥ 1, got {spacing!r}")
         self.spacing = min(max(spacing, self.base_spacing), MAX_PACE_PERIODS * self.inner_steps)
@@ -182,12 +188,14 @@ def paced_spacing(
     base: int, inner_steps: int, busy_s: float, step_time_s: float, current: int = 0, settled: bool = True
 ) -> int:
     """The send-slot spacing a peer asks for so that its link keeps up: the least multiple of
-    ``base`` (⌊H/N⌋) at or above 1.25 · T / s, where T is the time its link is busy per round
-    (measured) and s its inner step time; at most 4·H. This is CoCoDC's N = ⌊H·s/T⌋
-    (``--transmissions auto``) from measurements taken while the run goes on, with h = H/N; the
-    headroom leaves a fifth of the link to the notice board and the protocol's small messages, and whole
-    multiples of ⌊H/N⌋ keep a noisy measurement from moving the slots by a step or two. With nothing
-    measured yet (T or s ≤ 0) the answer is ``base``.
+    q = max(1, ⌊base/4⌋) (``PACE_GRAIN``; ``base`` is ⌊H/N⌋) at or above 1.25 · T / s, where T is the
+    time its link is busy per round (measured) and s its inner step time; at least ``base``, at most
+    4·H. This is CoCoDC's N = ⌊H·s/T⌋ (``--transmissions auto``) from measurements taken while the
+    run goes on, with h = H/N; the headroom leaves a fifth of the link to the notice board and the
+    protocol's small messages. Whole multiples of q keep a noisy measurement from moving the slots
+    by a step or two; q is a quarter of ⌊H/N⌋, not all of it, because on `thin` (N = 1, H = 24) whole
+    multiples of H left a wish just over 48 steps only 72 to choose, a link idle a third of the time
+    and a run with 6 rounds where 10 fit. With nothing measured yet (T or s ≤ 0) the answer is ``base``.
 
     ``current``: the spacing the swarm keeps now. A narrower one is asked for only where it leaves
     the link 1.4× the busy time (``PACE_NARROWING_HEADROOM``), not 1.25×, and only once T is
@@ -199,7 +207,8 @@ def paced_spacing(
         return base
 
     def spacing(headroom: float) -> int:
-        wanted = base * math.ceil(headroom * busy_s / (step_time_s * base) - 1e-9)
+        grain = max(1, base // PACE_GRAIN)
+        wanted = grain * math.ceil(headroom * busy_s / (step_time_s * grain) - 1e-9)
         return max(base, min(wanted, MAX_PACE_PERIODS * inner_steps))
 
     wanted = spacing(PACE_HEADROOM)
