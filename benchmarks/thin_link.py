@@ -24,6 +24,12 @@ own libp2p connections, so it tells the link's delay apart from delay inside the
     python benchmarks/thin_link.py --mbps 2 --repeat 3 --busy --undeclared   # as a new user runs it
     python benchmarks/thin_link.py --profile thin --overlap auto --transmissions auto --steps 96
     python benchmarks/thin_link.py --mbps 30 --rtt-ms 100 --narrow-to 2 --steps 480 --undeclared
+    python benchmarks/thin_link.py --profile thin --overlap auto --transmissions auto --steps 480 \
+        --judge-codec fp32
+
+``--judge-codec C`` replays peer 0's rounds in the simulator (``simulate --events``) with the run's
+own codec, which must give the swarm's θ̄, and with C: the perplexity the same schedule reaches with
+C, apart from how many syncs the link carried.
 
 ``--narrow-to MBIT`` re-shapes every link to MBIT Mbit/s while the peers train, once peer 0 has
 settled ``--narrow-after`` rounds; the report then gives each peer's stall before the narrowing,
@@ -128,6 +134,47 @@ def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
         "--inner-steps", "24", "--fragments", "4", *syncs, "--eval-every", "24",
         "--eval-batches", "2", "--threads", "1", "--quiet", *declared,
     ] + (["--codec", args.codec] if args.codec else [])  # fmt: skip
+
+
+def judge_codec(
+    args: argparse.Namespace, mbps: float, rundir: Path, summary: dict[str, Any]
+) -> dict[str, Any]:
+    """Replays peer 0's records (``simulate --events``: the same rounds, members and paces) twice:
+    with the run's own codec, which must give the swarm's θ̄ (the swarm ≡ simulator oracle), and
+    with ``--judge-codec``, which tells what the same schedule reaches with that codec: the
+    codec's cost apart from how many syncs the link carried."""
+    options: list[str] = []
+    skip = 0
+    for x in training_options(args, mbps):
+        if skip:
+            skip -= 1
+        elif x in ("--overlap", "--transmissions", "--codec"):
+            skip = 1
+        else:
+            options.append(x)
+    options += ["--overlap", str(summary["overlap"]), "--transmissions", str(summary["transmissions"])]
+    options += ["--events", str(rundir / "peer0.jsonl")]
+    found: dict[str, Any] = {}
+    replays = {}
+    for name, codec in (("own", args.codec), ("judge", args.judge_codec)):  # side by side: 2 cores
+        argv = [*CLI, "simulate", *options, "--out", str(rundir / f"replay-{name}.jsonl")]
+        argv += ["--codec", codec] if codec else []
+        replays[name, codec] = subprocess.Popen(
+            argv, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+    for (name, codec), proc in replays.items():
+        _, err = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            return {"error": f"simulate ({name}) exited {proc.returncode}: {err.strip()[-300:]}"}
+        last = records(rundir / f"replay-{name}.jsonl")[-1]
+        found[name] = {
+            "codec": codec or "default",
+            "ppl": last["final_val_ppl"],
+            "sha256": last["global_params_sha256"],
+        }
+    found["reproduced"] = found["own"]["sha256"] == summary["global_params_sha256"]
+    found["own_vs_judge"] = round(found["own"]["ppl"] / found["judge"]["ppl"] - 1, 4)
+    return found
 
 
 class Logged:
@@ -533,6 +580,9 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
             )
     hashes = {p["sha256"] for p in result["peers"]}
     result["hashes_equal"] = len(hashes) == 1 and None not in hashes
+    first = records(rundir / "peer0.jsonl")
+    if args.judge_codec and first and first[-1]["kind"] == "summary":
+        result["judged"] = judge_codec(args, mbps, rundir, first[-1])
     return result
 
 
@@ -591,6 +641,14 @@ def report(result: dict[str, Any]) -> str:
         f"peer {p['peer']} " + ", ".join(f"{k} {v:.1%}" for k, v in p["stall_shares"].items())
         for p in result["peers"]
     ))  # fmt: skip
+    if judged := result.get("judged"):
+        lines.append(
+            judged["error"]
+            if "error" in judged
+            else f"same schedule in the simulator (peer 0's records): {judged['own']['codec']} ppl "
+            f"{judged['own']['ppl']:.3f} (the swarm's θ̄: {'yes' if judged['reproduced'] else 'NO'}), "
+            f"{judged['judge']['codec']} ppl {judged['judge']['ppl']:.3f}: {judged['own_vs_judge']:+.2%}"
+        )
     for p in result["peers"]:
         lines += ["", f"peer {p['peer']}: warnings and errors", *("    " + x for x in p["notable"][:12])]
         lines += [f"peer {p['peer']}: last lines", *("    " + x for x in p["last_lines"])]
@@ -620,6 +678,10 @@ def main() -> None:
     parser.add_argument("--narrow-to", type=float, help="re-shape the links to this many Mbit/s mid-run")
     parser.add_argument(
         "--narrow-after", type=int, default=4, help="rounds peer 0 settles before --narrow-to"
+    )
+    parser.add_argument(
+        "--judge-codec",
+        help="after each run, replay peer 0's rounds in the simulator with this codec too (e.g. fp32)",
     )
     parser.add_argument(
         "--dht-probe",
