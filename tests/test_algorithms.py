@@ -221,6 +221,11 @@ def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> Non
     assert paced_spacing(24, 48, 2.8, 0.1, current=48, settled=False) == 48  # a round or two: no narrower
     assert paced_spacing(24, 48, 4.0, 0.1, current=42, settled=False) == 54  # but wider at once
     assert paced_spacing(24, 48, 4.0, 0.1, current=42) == 54  # wider as before
+    # at ⌊H/N⌋ a sync gets τ steps, not its slot: where τ + 1 falls short of the need, ⌊H/N⌋ + q
+    assert paced_spacing(24, 48, 1.6, 0.1, overlap=23) == 24  # 1.25 · 1.6 s = 20 steps ≤ τ + 1 = 24
+    assert paced_spacing(24, 48, 1.6, 0.1, overlap=17) == 30  # 20 steps > τ + 1 = 18
+    assert paced_spacing(24, 48, 1.4, 0.1, current=30, overlap=17) == 30  # 1.4 · 1.4 s = 19.6 > 18
+    assert paced_spacing(24, 48, 1.4, 0.1, current=30, overlap=19) == 24  # 19.6 ≤ 20
 
 
 def test_a_paced_schedule_counts_its_slots_from_the_last_send() -> None:

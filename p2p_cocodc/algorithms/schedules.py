@@ -185,7 +185,13 @@ class AdaptiveSchedule:
 
 
 def paced_spacing(
-    base: int, inner_steps: int, busy_s: float, step_time_s: float, current: int = 0, settled: bool = True
+    base: int,
+    inner_steps: int,
+    busy_s: float,
+    step_time_s: float,
+    current: int = 0,
+    settled: bool = True,
+    overlap: int | None = None,
 ) -> int:
     """The send-slot spacing a peer asks for so that its link keeps up: the least multiple of
     q = max(1, ⌊base/4⌋) (``PACE_GRAIN``; ``base`` is ⌊H/N⌋) at or above 1.25 · T / s, where T is the
@@ -202,14 +208,23 @@ def paced_spacing(
     ``settled`` (measured over ``NARROW_AFTER_ROUNDS`` rounds). On `thin` a round's busy time sat
     near the edge of one slot, and the pace went back and forth between one and two slots every few
     rounds, the rounds at the narrow pace waiting up to a second each; and a first round, on links
-    idle until then, once asked for half the spacing the later ones needed."""
+    idle until then, once asked for half the spacing the later ones needed.
+
+    ``overlap``: τ, which a sync sent at ``base`` gets to land (``AdaptiveSchedule.overlap``: paced,
+    it gets its whole slot). Where τ + 1 steps fall short of the headroom, ``base`` is not asked
+    for: the spacing is at least ``base + q``. On `thin` with q2 (τ = 17, ⌊H/N⌋ = 24) the pace went
+    from 30 steps to 24, and the round sent at 24 had 17 steps instead of 29: one peer's largest
+    stall of the run, 1.8 s (``docs/thin-link.md``)."""
     if busy_s <= 0 or step_time_s <= 0:
         return base
+    grain = max(1, base // PACE_GRAIN)
 
     def spacing(headroom: float) -> int:
-        grain = max(1, base // PACE_GRAIN)
-        wanted = grain * math.ceil(headroom * busy_s / (step_time_s * grain) - 1e-9)
-        return max(base, min(wanted, MAX_PACE_PERIODS * inner_steps))
+        need = headroom * busy_s / step_time_s  # steps
+        wanted = max(base, min(grain * math.ceil(need / grain - 1e-9), MAX_PACE_PERIODS * inner_steps))
+        if wanted == base and overlap is not None and overlap + 1 < need - 1e-9:
+            return base + grain
+        return wanted
 
     wanted = spacing(PACE_HEADROOM)
     if wanted >= current:

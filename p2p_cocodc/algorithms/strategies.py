@@ -433,7 +433,9 @@ class CoCoDC(Strategy):
 
     def pace_wish(self, busy_per_round_s: float, step_time_s: float, settled: bool = True) -> int:
         base, spacing = self.schedule.base_spacing, self.schedule.spacing
-        return paced_spacing(base, self.settings.inner_steps, busy_per_round_s, step_time_s, spacing, settled)
+        return paced_spacing(
+            base, self.settings.inner_steps, busy_per_round_s, step_time_s, spacing, settled, self.overlap
+        )
 
     def merge(
         self, fragment: Fragment, new_global: torch.Tensor, pending: PendingSync, step: int
