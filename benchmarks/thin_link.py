@@ -143,16 +143,8 @@ def judge_codec(
     with the run's own codec, which must give the swarm's θ̄ (the swarm ≡ simulator oracle), and
     with ``--judge-codec``, which tells what the same schedule reaches with that codec: the
     codec's cost apart from how many syncs the link carried."""
-    options: list[str] = []
-    skip = 0
-    for x in training_options(args, mbps):
-        if skip:
-            skip -= 1
-        elif x in ("--overlap", "--transmissions", "--codec"):
-            skip = 1
-        else:
-            options.append(x)
-    options += ["--overlap", str(summary["overlap"]), "--transmissions", str(summary["transmissions"])]
+    resolved = {"overlap": str(summary["overlap"]), "transmissions": str(summary["transmissions"])}
+    options = training_options(argparse.Namespace(**{**vars(args), **resolved, "codec": None}), mbps)
     options += ["--events", str(rundir / "peer0.jsonl")]
     found: dict[str, Any] = {}
     replays = {}
