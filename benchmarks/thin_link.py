@@ -133,7 +133,9 @@ def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
         "--batch-size", "4", "--workers", str(PEERS), "--steps", str(args.steps),
         "--inner-steps", "24", "--fragments", "4", *syncs, "--eval-every", "24",
         "--eval-batches", "2", "--threads", "1", "--quiet", *declared,
-    ] + (["--codec", args.codec] if args.codec else [])  # fmt: skip
+    ] + (["--codec", args.codec] if args.codec else []) + (
+        ["--paced-codec", args.paced_codec] if args.paced_codec else []
+    )  # fmt: skip
 
 
 def judge_codec(
@@ -144,13 +146,16 @@ def judge_codec(
     with ``--judge-codec``, which tells what the same schedule reaches with that codec: the
     codec's cost apart from how many syncs the link carried."""
     resolved = {"overlap": str(summary["overlap"]), "transmissions": str(summary["transmissions"])}
-    options = training_options(argparse.Namespace(**{**vars(args), **resolved, "codec": None}), mbps)
+    mine = {**vars(args), **resolved, "codec": None, "paced_codec": None}
+    options = training_options(argparse.Namespace(**mine), mbps)
     options += ["--events", str(rundir / "peer0.jsonl")]
     found: dict[str, Any] = {}
     replays = {}
     for name, codec in (("own", args.codec), ("judge", args.judge_codec)):  # side by side: 2 cores
         argv = [*CLI, "simulate", *options, "--out", str(rundir / f"replay-{name}.jsonl")]
         argv += ["--codec", codec] if codec else []
+        # the run's paced codec where a pace said so; the judge's codec throughout
+        argv += ["--paced-codec", "same" if name == "judge" else args.paced_codec or "auto"]
         replays[name, codec] = subprocess.Popen(
             argv, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
@@ -573,6 +578,9 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
     hashes = {p["sha256"] for p in result["peers"]}
     result["hashes_equal"] = len(hashes) == 1 and None not in hashes
     first = records(rundir / "peer0.jsonl")
+    settled = [r for r in first if r["kind"] == "round" and r["completed"]]
+    # peer 0's completed rounds in send order: (sent after step, agreed pace, codec its payloads took)
+    result["rounds"] = sorted((int(r["round"].split(":")[1]), r["pace"], r.get("codec")) for r in settled)
     if args.judge_codec and first and first[-1]["kind"] == "summary":
         result["judged"] = judge_codec(args, mbps, rundir, first[-1])
     return result
@@ -633,6 +641,9 @@ def report(result: dict[str, Any]) -> str:
         f"peer {p['peer']} " + ", ".join(f"{k} {v:.1%}" for k, v in p["stall_shares"].items())
         for p in result["peers"]
     ))  # fmt: skip
+    lines.append("peer 0's rounds (sent after step: pace agreed, codec): " + ", ".join(
+        f"{step}: {pace} {codec}" for step, pace, codec in result["rounds"]
+    ))  # fmt: skip
     if judged := result.get("judged"):
         lines.append(
             judged["error"]
@@ -654,6 +665,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=480.0, help="seconds before a run's peers are ended")
     parser.add_argument("--algo", default="cocodc")
     parser.add_argument("--codec", default=None, help="the peers' --codec (default: theirs, fp4)")
+    parser.add_argument(
+        "--paced-codec", default=None, help="the peers' --paced-codec (default: theirs, auto: q2 while paced)"
+    )
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="round trip between two peers (the relay)")
     parser.add_argument(
         "--profile", choices=sorted(PROFILES), help="a named link: sets --mbps and --rtt-ms (tests/netns.py)"

@@ -12,6 +12,9 @@ CODEC_NAMES = ("fp32", "bf16", "int8", "fp4", "q2", "topk2", "topk4")
 # the codecs too coarse to use without error feedback (2-bit values, or most values dropped), so
 # not for ddp's gradient average, which keeps none
 NEEDS_FEEDBACK = ("q2", "topk2", "topk4")
+# the codecs that send more bytes per value than q2, which --paced-codec auto sends instead of
+# them while a slow link paces a cocodc swarm (fewer bytes a round, so more rounds through the link)
+FINER_THAN_Q2 = ("fp32", "bf16", "int8", "fp4")
 # the codec of outer gradients when --codec is not given: the fewest bytes at most 1 % above fp32's
 # perplexity on the codec benchmark (chosen on sotu-before-1900, judged on sotu-from-1900 and
 # web-bible: docs/codecs.md) and on the schedule of a `thin` run (a fragment synced every 192 steps:

@@ -8,12 +8,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from p2p_cocodc.algorithms.codecs import get_codec
+from p2p_cocodc.algorithms.codecs import SyncCodecs, get_codec
 from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_per_tensor
 from p2p_cocodc.algorithms.fragments import assign_units, make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
-from p2p_cocodc.algorithms.schedules import AdaptiveSchedule, FixedSchedule, delta_rms, paced_spacing
+from p2p_cocodc.algorithms.schedules import (
+    AdaptiveSchedule,
+    FixedSchedule,
+    delta_rms,
+    paced_codec_spacing,
+    paced_spacing,
+)
 from p2p_cocodc.algorithms.strategies import Strategy, make_strategy
 from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.errors import UserError
@@ -228,6 +234,35 @@ def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> Non
     assert paced_spacing(24, 48, 1.4, 0.1, current=30, overlap=19) == 24  # 19.6 ≤ 20
 
 
+def test_with_a_paced_codec_the_spacing_says_which_codec_a_link_keeps_up_with() -> None:
+    """--paced-codec (a coarser codec's round takes half the steady one's link time here): ⌊H/N⌋ =
+    24 of H = 48, q = 6, a step of 0.1 s. The steady codec at ⌊H/N⌋ while its rounds fit there, or
+    at ⌊H/N⌋ + q where τ is too short to land them (latency, which fewer bytes do not help); else
+    the coarser one, at least ⌊H/N⌋ + 2q = 36, the spacing that says so; and back to the steady
+    codec only where its rounds fit with 1.4× headroom, once the link's measurement settled."""
+
+    def wish(steady_busy: float, current: int = 24, settled: bool = True, overlap: int = 23) -> int:
+        coarse_busy = steady_busy / 2
+        return paced_codec_spacing(24, 48, steady_busy, coarse_busy, 0.1, current, settled, overlap)
+
+    assert wish(1.6) == 24  # the steady codec: 1.25 · 1.6 s = 20 steps
+    assert wish(1.6, overlap=12) == 30  # steady, paced by a grain: 20 steps > τ + 1 = 13
+    assert wish(3.0) == 36  # steady 37.5 steps; coarse 18.75, at least ⌊H/N⌋ + 2q
+    assert wish(6.0) == 42  # coarse: 1.25 · 3 s = 37.5 steps, up to a multiple of 6
+    assert wish(0.0) == 24  # nothing measured yet
+    assert AdaptiveSchedule(48, 2, 2).bandwidth_paced() is False
+    for spacing, coarse in ((30, False), (36, True)):
+        schedule = AdaptiveSchedule(48, 2, 2)
+        schedule.set_spacing(spacing)
+        assert schedule.bandwidth_paced() is coarse
+    # with the coarser codec in use (current ≥ 36)
+    assert wish(3.0, current=36) == 36  # steady: 1.4 · 3 s = 42 steps, too many for 24
+    assert wish(1.6, current=36) == 24  # steady: 1.4 · 1.6 s = 22.4 steps fit in 24
+    assert wish(1.6, current=36, settled=False) == 36  # not before the measurement settled
+    assert wish(6.0, current=42) == 42  # coarse: the narrowing headroom keeps 42 (1.4 · 30 = 42)
+    assert wish(4.8, current=48) == 36  # coarse: 1.4 · 24 = 33.6 steps, up to 36
+
+
 def test_a_paced_schedule_counts_its_slots_from_the_last_send() -> None:
     """Two sends are never closer than the spacing, across a change of it either way (the multiples
     of a new spacing may lie a step after the last send)."""
@@ -370,7 +405,7 @@ def test_error_feedback_leaves_what_was_not_sent_in_the_replica_for_the_next_syn
     settings = replace(SMALL, algo="cocodc", dc_alpha=0.5).algo_settings()
     model = build_model("nano", 256, 32)
     twin_model = copy.deepcopy(model)
-    strategy = make_strategy(model, settings, feedback=codec)
+    strategy = make_strategy(model, settings, codecs=SyncCodecs(codec, None, feedback=True))
     plain = make_strategy(twin_model, settings)  # the same replica without error feedback
     assert isinstance(strategy, Strategy) and isinstance(plain, Strategy) and strategy.kept_share == 0.5
     _progress(strategy, 0)
@@ -396,16 +431,51 @@ def test_error_feedback_leaves_what_was_not_sent_in_the_replica_for_the_next_syn
     # so the next outer gradient holds it: Δ_p = θ̄_p − θ_p
     after = strategy.outer[1].global_params - strategy.fragments[1].read()
     assert torch.allclose(after - (plain.outer[1].global_params - plain.fragments[1].read()), kept, atol=1e-6)
-    fresh = make_strategy(build_model("nano", 256, 32), settings, feedback=codec)
+    fresh = make_strategy(build_model("nano", 256, 32), settings, codecs=SyncCodecs(codec, None, True))
     fresh.load_state_dict(saved)
     assert torch.equal(fresh.in_flight[1].residual, residual)  # type: ignore[arg-type]
+
+
+def test_a_sync_sent_while_a_link_paces_the_swarm_takes_the_paced_codec() -> None:
+    """A sync sent with the send slots wider than ⌊H/N⌋ is encoded with the paced codec, its
+    error fed back; which codec a sync in flight took is checkpointed and goes to a joiner with
+    the shared state (it follows from the schedule's spacing at the send, which every replica
+    holds alike, and every member of a round must encode it alike)."""
+    fp4, q2 = get_codec("fp4"), get_codec("q2")
+    settings = replace(SMALL, algo="cocodc").algo_settings()
+
+    def strategy() -> Strategy:
+        made = make_strategy(build_model("nano", 256, 32), settings, codecs=SyncCodecs(fp4, q2, True))
+        assert isinstance(made, Strategy)
+        return made
+
+    paced = strategy()
+    _progress(paced, 0)
+    delta = [paced.outer[p].global_params - paced.fragments[p].read() for p in range(2)]
+    assert torch.equal(paced.payload(0, 2), fp4.roundtrip(delta[0]))  # at ⌊H/N⌋: the steady codec
+    paced.schedule.set_spacing(2 * paced.schedule.base_spacing)
+    sent = paced.payload(1, 4)
+    assert torch.equal(sent, q2.roundtrip(delta[1])) and not torch.equal(sent, fp4.roundtrip(delta[1]))
+    assert torch.equal(paced.in_flight[1].residual, delta[1] - sent)  # type: ignore[arg-type]
+    assert (paced.sync_codec(0), paced.sync_codec(1)) == (fp4, q2)
+    resumed, joiner = strategy(), strategy()
+    resumed.load_state_dict(copy.deepcopy(paced.state_dict()))
+    joiner.join_from(paced.shared_state())
+    for other in (resumed, joiner):
+        assert (other.sync_codec(0), other.sync_codec(1)) == (fp4, q2)
+    hostile = copy.deepcopy(paced.shared_state())
+    hostile["in_flight"][0]["paced"] = "yes"
+    with pytest.raises(ValueError, match="paced='yes'"):
+        strategy().join_from(hostile)
 
 
 def test_a_lossless_codec_or_error_feedback_off_keeps_no_residual() -> None:
     for codec, feedback in (("fp32", True), ("topk2", False)):
         sim = Simulation(replace(SMALL, algo="cocodc", codec=codec, error_feedback=feedback).validate())
         strategy = sim.workers[0].strategy
-        assert isinstance(strategy, Strategy) and strategy.feedback is None
+        assert isinstance(strategy, Strategy)
+        strategy.payload(0, 1)
+        assert strategy.in_flight[0].residual is None
 
 
 def test_topk_options_are_checked() -> None:
@@ -453,7 +523,7 @@ def test_a_joiner_takes_over_global_params_momentum_schedule_and_syncs_in_flight
     donor.payload(0, 6)  # in flight at S = 6, due at 8
     shared = donor.shared_state()
     assert _plain_values_only(shared)
-    assert shared["in_flight"] == [{"fragment": 0, "sent_step": 6, "due_step": 8}]
+    assert shared["in_flight"] == [{"fragment": 0, "sent_step": 6, "due_step": 8, "paced": False}]
 
     joiner = _fragment_strategy(copy.deepcopy(base), SMALL)
     _progress(joiner, 3)  # what the fresh replica held before does not matter

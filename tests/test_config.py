@@ -459,3 +459,31 @@ def test_algo_settings_with_the_link_are_the_setups() -> None:
         except UserError as exc:
             got = str(exc)
         assert got == expected, (algo, tau, n, latency, bandwidth, step_time)
+
+
+def test_the_paced_codec_is_q2_where_it_is_coarser_and_never_silently_finer() -> None:
+    """--paced-codec auto gives q2 to a cocodc swarm whose --codec sends more bytes than q2, with
+    error feedback, which q2 needs; elsewhere the syncs keep --codec. An explicit one is for cocodc
+    only and must send fewer bytes than --codec."""
+    from p2p_cocodc.algorithms.codecs import get_codec
+    from p2p_cocodc.names import DEFAULT_TOPK, FINER_THAN_Q2
+    from p2p_cocodc.run.setup import sync_codecs
+
+    def paced(**options: object) -> str | None:
+        return build_config({}, {"algo": "cocodc", **options}).paced_wire_codec
+
+    assert paced() == "q2" and paced(codec="fp32") == "q2"
+    assert paced(codec="q2") is None and paced(codec="topk2") is None and paced(error_feedback=False) is None
+    assert paced(paced_codec="same") is None and paced(paced_codec="topk2") == "topk2"
+    assert build_config({}, {"algo": "streaming"}).paced_wire_codec is None
+    for members in (2, 3, 8):  # FINER_THAN_Q2 is what it says (a top-k round's size depends on k and M)
+        q2 = get_codec("q2").round_bytes(1 << 16, members)
+        assert all(get_codec(name).round_bytes(1 << 16, members) > q2 for name in FINER_THAN_Q2)
+    with pytest.raises(UserError, match="--paced-codec applies to cocodc"):
+        build_config({}, {"algo": "diloco", "paced_codec": "q2"})
+    with pytest.raises(UserError, match="--paced-codec q2 is too coarse without error feedback"):
+        build_config({}, {"algo": "cocodc", "paced_codec": "q2", "error_feedback": False})
+    with pytest.raises(UserError, match="--paced-codec int8 sends as many bytes as --codec fp4 or more"):
+        sync_codecs(get_codec("fp4"), "int8", DEFAULT_TOPK, True)
+    codecs = sync_codecs(get_codec("fp4"), "q2", DEFAULT_TOPK, True)
+    assert (codecs.at(False).name, codecs.at(True).name) == ("fp4", "q2")

@@ -403,11 +403,13 @@ def test_deadlines_follow_the_declared_and_the_measured_link(dhts) -> None:
 
 def test_the_link_meter_counts_overlapping_deliveries_once_per_round() -> None:
     meter = LinkMeter()
-    assert meter.busy_per_round_s() == 0.0  # nothing measured: no wish
+    assert meter.busy_per_round_s("fp4") == 0.0  # nothing measured: no wish
     # round a: slices to two members at once (0-4 s and 1-5 s) and results (6-8 s); round b: 10-11 s
     for start, end, round_id in [(0, 4, "a"), (1, 5, "a"), (6, 8, "a"), (6, 7.5, "a"), (10, 11, "b")]:
-        meter.record(start, end, round_id)
-    assert meter.busy_per_round_s() == pytest.approx((5 + 2 + 1) / 2)
+        meter.record(start, end, round_id, "fp4")
+    meter.record(12, 12.25, "c", "q2")  # a paced round, smaller: timed apart
+    assert meter.busy_per_round_s("fp4") == pytest.approx((5 + 2 + 1) / 2) and meter.rounds("fp4") == 2
+    assert meter.busy_per_round_s("q2") == pytest.approx(0.25) and meter.rounds("q2") == 1
     for i in range(exchange_module.LINK_WINDOW):  # old deliveries leave the window
-        meter.record(20 + i, 20.5 + i, f"r{i}")
-    assert meter.busy_per_round_s() == pytest.approx(0.5)
+        meter.record(20 + i, 20.5 + i, f"r{i}", "fp4")
+    assert meter.busy_per_round_s("fp4") == pytest.approx(0.5) and meter.busy_per_round_s("q2") == 0.0

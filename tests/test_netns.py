@@ -208,8 +208,12 @@ def test_three_peers_over_thin_links_send_less_and_end_with_one_global_model(tmp
     assert_replayed(tmp_path, THIN, summaries[0])
 
 
-# THIN's run with a slot every 24 steps (H = 48, 2 fragments), twice as long
-NARROWING = [*THIN, "--inner-steps", "48", "--steps", "576"]
+# THIN's run with a slot every 24 steps (H = 48, 2 fragments), twice as long, τ = 12 and the wide
+# links declared; the peers' steps take at least 20 ms (``SLOW_STEPS``), so that a round lands
+# within τ on the wide links whatever this machine's speed: the swarm keeps ⌊H/N⌋ and fp32 until
+# the links narrow (a slot wider than ⌊H/N⌋ + q is a link's bandwidth, and q2's)
+NARROWING = [*THIN, "--inner-steps", "48", "--steps", "576", "--overlap", "12", "--bandwidth-mbps", "200"]
+SLOW_STEPS = ["--min-step-time", "0.02"]  # a join option: the replay leaves it out
 
 
 def settled_rounds(path: Path) -> list[dict]:
@@ -227,8 +231,9 @@ def test_when_the_link_narrows_mid_run_the_swarm_paces_within_a_few_rounds(tmp_p
     """Issue 21, part 3: three peers start on 200 Mbit/s links (20 ms between two peers); after four
     rounds the links narrow to 2 Mbit/s while the peers train. The link meters see the slower
     deliveries, and within four rounds sent after the narrowing the swarm agrees a wider pace than
-    any before it; every round completes, and all end with one θ̄, which `simulate --events`
-    reproduces. (The stall before and after: ``benchmarks/thin_link.py --narrow-to``.)"""
+    any before it, and with it the coarser codec (fp32 → q2); every round completes, and all end
+    with one θ̄, which `simulate --events` reproduces. (The stall before and after:
+    ``benchmarks/thin_link.py --narrow-to``.)"""
     narrowed_after = []
 
     def narrow_after_four_rounds(peers: list) -> None:
@@ -240,7 +245,7 @@ def test_when_the_link_narrows_mid_run_the_swarm_paces_within_a_few_rounds(tmp_p
         narrowed_after.append(max(r["step"] for r in settled_rounds(tmp_path / "peer0.jsonl")))
 
     with thin_network(3, 200.0, rtt_ms=20.0, latency_ms=200.0) as net:
-        _, outs = three_peers_on(net, tmp_path, "narrow", NARROWING, narrow_after_four_rounds)
+        _, outs = three_peers_on(net, tmp_path, "narrow", [*NARROWING, *SLOW_STEPS], narrow_after_four_rounds)
     rounds = sorted((r for r in outs[0] if r["kind"] == "round"), key=sent_step)
     before = [r for r in rounds if sent_step(r) <= narrowed_after[0]]
     after = [r for r in rounds if sent_step(r) > narrowed_after[0]]
@@ -248,4 +253,7 @@ def test_when_the_link_narrows_mid_run_the_swarm_paces_within_a_few_rounds(tmp_p
     paced = max(r["pace"] for r in before)  # what the wide links kept up with
     widened = [i for i, r in enumerate(after) if r["pace"] > paced]
     assert widened and widened[0] < 4, (narrowed_after, rounds)
+    # and the codec: fp32 while the links kept up, q2 (--paced-codec auto) from a send after that pace
+    coarse = [i for i, r in enumerate(after) if r["codec"] == "q2"]
+    assert {r["codec"] for r in before} == {"fp32"} and coarse and coarse[0] < 6, (narrowed_after, rounds)
     assert_replayed(tmp_path, NARROWING, outs[0][-1])

@@ -41,9 +41,9 @@ class RecordsRounds(Simulation):
 
     rounds_seen: list[str] = []
 
-    def _average(self, round_id, step, payloads):
+    def _average(self, round_id, step, payloads, codec):
         self.rounds_seen.append(round_id)
-        return super()._average(round_id, step, payloads)
+        return super()._average(round_id, step, payloads, codec)
 
 
 def plain_rounds() -> list[str]:

@@ -343,8 +343,9 @@ def test_peers_on_a_declared_thin_link_start_paced_and_the_simulator_replays_it(
     starts = {r["pace"] for out in outs for r in out if r["kind"] == "start"}
     assert len(starts) == 1 and 4 < (pace := starts.pop()) <= 32, starts
     assert all(f"the swarm starts sending a fragment every {pace} steps" in log for log in logs)
-    first = min(int(r["round"].split(":")[1]) for r in outs[0] if r["kind"] == "round")
-    assert first == pace  # no sync went out at the schedule's own slots 4, 8, ... before it
+    first = min((int(r["round"].split(":")[1]), r) for r in outs[0] if r["kind"] == "round")
+    assert first[0] == pace  # no sync went out at the schedule's own slots 4, 8, ... before it
+    assert first[1]["codec"] == "q2", first  # paced: --paced-codec auto's q2, not fp4, and replayed so
     theta = {out[-1]["global_params_sha256"] for out in outs}
     assert len(theta) == 1
     replay = ["simulate", "--algo", "cocodc", *options, "--events", "peer0.jsonl", "--out", "replay.jsonl"]

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +65,7 @@ import torch.nn.functional as F
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import CODEC_NAMES, DEFAULT_TOPK
 
-__all__ = ["CODECS", "Codec", "TopKCodec", "decode_mean", "get_codec", "mean_in_order"]
+__all__ = ["CODECS", "Codec", "SyncCodecs", "TopKCodec", "decode_mean", "get_codec", "mean_in_order"]
 
 
 class Codec(ABC):
@@ -471,6 +472,34 @@ def get_codec(name: str, topk: float = DEFAULT_TOPK) -> Codec:
         return CODECS[name]
     except (KeyError, TypeError):
         raise UserError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}") from None
+
+
+@dataclass(frozen=True)
+class SyncCodecs:
+    """The wire codec of each fragment sync: ``steady`` (--codec) while the swarm sends at its
+    schedule's own spacing, ``paced`` (--paced-codec; None: ``steady`` throughout) for a sync sent
+    while a link paces the swarm (a send slot wider than ⌊H/N⌋). Which one a sync uses follows from
+    the schedule's spacing at its send, which every replica holds identically, so every member of
+    a round encodes it alike. ``feedback``: a lossy codec's error is fed back
+    (``Strategy.outer_gradient``)."""
+
+    steady: Codec
+    paced: Codec | None = None
+    feedback: bool = False
+
+    def at(self, paced: bool) -> Codec:
+        """The codec of a sync sent with the swarm paced (``paced``) or not."""
+        return self.paced if paced and self.paced is not None else self.steady
+
+    def all(self) -> list[Codec]:
+        return [c for c in (self.steady, self.paced) if c is not None]
+
+    def feeds_back(self, codec: Codec) -> bool:
+        return self.feedback and not codec.lossless
+
+    def largest(self, numel: int) -> int:
+        """The largest payload of ``numel`` values any sync's messages carry (``Codec.bound_bytes``)."""
+        return max(c.bound_bytes(numel) for c in self.all())
 
 
 def decode_mean(payloads: Sequence[bytes], codec: Codec, numel: int) -> torch.Tensor:

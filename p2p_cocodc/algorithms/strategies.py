@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2p_cocodc.algorithms.codecs import Codec
+from p2p_cocodc.algorithms.codecs import Codec, SyncCodecs, get_codec
 from p2p_cocodc.algorithms.compensation import compensate_per_step, compensate_per_tensor
 from p2p_cocodc.algorithms.devices import DeviceCopy, Placement
 from p2p_cocodc.algorithms.fragments import Fragment, make_fragments
@@ -35,6 +35,7 @@ from p2p_cocodc.algorithms.schedules import (
     FixedSchedule,
     Schedule,
     delta_rms,
+    paced_codec_spacing,
     paced_spacing,
 )
 from p2p_cocodc.algorithms.state import expect_tensor
@@ -107,6 +108,7 @@ class PendingSync:
     sent_step: int
     due_step: int
     residual: torch.Tensor | None = None  # error feedback: Δ_p − what was sent of it (CPU), once computed
+    paced: bool = False  # sent while a link paced the swarm: encoded with ``SyncCodecs.paced``
 
 
 @dataclass
@@ -148,10 +150,12 @@ class ReplicaStrategy:
         """Send slots every ``spacing`` steps from the first step on, for an algorithm whose schedule
         can be paced; nothing for the others (their ``send_spacing`` is None)."""
 
-    def pace_wish(self, busy_per_round_s: float, step_time_s: float, settled: bool = True) -> int:
-        """The send-slot spacing a link busy ``busy_per_round_s`` per round keeps up with, for an
-        algorithm whose schedule can be paced (0: it cannot, or needs not); ``settled``: measured
-        over enough rounds to narrow the pace (``paced_spacing``)."""
+    def pace_wish(
+        self, round_busy_s: Callable[[Codec], float], step_time_s: float, settled: bool = True
+    ) -> int:
+        """The send-slot spacing a link keeps up with where a round in codec c keeps it busy
+        ``round_busy_s(c)`` seconds, for an algorithm whose schedule can be paced (0: it cannot, or
+        needs not); ``settled``: measured over enough rounds to narrow the pace (``paced_spacing``)."""
         return 0
 
     def gradient_payload(self) -> torch.Tensor:
@@ -183,7 +187,7 @@ class Strategy(ReplicaStrategy):
         overlap: int,
         outer: OuterSettings,
         placement: Placement | None = None,
-        feedback: Codec | None = None,
+        codecs: SyncCodecs | None = None,
     ) -> None:
         self.model = model
         self.fragments = fragments
@@ -192,7 +196,7 @@ class Strategy(ReplicaStrategy):
         self.placement = placement or Placement()
         self.outer = [OuterOptimizer(f.read(), outer) for f in fragments]
         self.in_flight: dict[int, PendingSync] = {}
-        self.feedback = feedback  # the lossy codec whose error the replica keeps (``outer_gradient``)
+        self.codecs = codecs if codecs is not None else SyncCodecs(get_codec("fp32"))
         self.kept_share = 0.0  # ρ: the share of its deviation from θ̄_p the merge leaves in the replica
 
     def sends_after(self, step: int) -> list[int]:
@@ -213,7 +217,8 @@ class Strategy(ReplicaStrategy):
         if p in self.in_flight:
             raise RuntimeError(f"fragment {p} is already in flight")
         snapshot = self.fragments[p].read()
-        self.in_flight[p] = PendingSync(snapshot, step, step + self.schedule.overlap(self.overlap))
+        due = step + self.schedule.overlap(self.overlap)
+        self.in_flight[p] = PendingSync(snapshot, step, due, paced=self.schedule.bandwidth_paced())
         self.schedule.record_send(p, step)
         return snapshot
 
@@ -230,11 +235,22 @@ class Strategy(ReplicaStrategy):
         and the codec's error is sent later instead of lost, while the replica trains on from its
         own progress. A sync that fails changes nothing: Δ_p still holds everything."""
         delta = self.outer[p].global_params - snapshot
-        if self.feedback is None:
+        codec = self.sync_codec(p)
+        if not self.codecs.feeds_back(codec):
             return delta
-        sent = self.feedback.roundtrip(delta)
+        sent = codec.roundtrip(delta)
         self.in_flight[p].residual = delta.sub_(sent)
         return sent
+
+    def next_codec(self) -> Codec:
+        """The wire codec of a sync sent now (``SyncCodecs``: the paced one while a link paces the
+        swarm)."""
+        return self.codecs.at(self.schedule.bandwidth_paced())
+
+    def sync_codec(self, p: int) -> Codec:
+        """The wire codec of fragment p's sync in flight: the paced one (``SyncCodecs``) if it was
+        sent while a link paced the swarm."""
+        return self.codecs.at(self.in_flight[p].paced)
 
     def due(self, step: int) -> list[int]:
         """Fragments whose result must be applied now, in the order they were sent."""
@@ -309,14 +325,15 @@ class Strategy(ReplicaStrategy):
     def shared_state(self) -> dict[str, Any]:
         """What every replica of a run holds identically after a step, and a joiner takes over:
         ``{"outer": [{"global_params", "momentum"} per fragment], "schedule": the schedule's
-        state, "in_flight": [{"fragment", "sent_step", "due_step"} per sync, in send order]}``,
+        state, "in_flight": [{"fragment", "sent_step", "due_step", "paced"} per sync, in send
+        order]}``,
         tensors and plain values only. The snapshots of the syncs in flight are left out: each
         replica's own θ_p at the send. Tensors are the live ones, not copies."""
         return {
             "outer": [outer.state_dict() for outer in self.outer],
             "schedule": self.schedule.state_dict(),
             "in_flight": [
-                {"fragment": p, "sent_step": s.sent_step, "due_step": s.due_step}
+                {"fragment": p, "sent_step": s.sent_step, "due_step": s.due_step, "paced": s.paced}
                 for p, s in self.in_flight.items()
             ],
         }
@@ -333,7 +350,7 @@ class Strategy(ReplicaStrategy):
 
         self._load_shared(state, saved_snapshot)
         for sync in state["in_flight"]:
-            if self.feedback is not None and sync.get("residual") is not None:
+            if self.codecs.feedback and sync.get("residual") is not None:
                 p = sync["fragment"]
                 residual = expect_tensor(
                     sync["residual"], self.outer[p].global_params, f"residual of fragment {p}"
@@ -374,7 +391,11 @@ class Strategy(ReplicaStrategy):
             p = sync["fragment"]
             if not isinstance(p, int) or not 0 <= p < len(self.outer) or p in in_flight:
                 raise ValueError(f"a sync in flight names fragment {p!r}")
-            in_flight[p] = PendingSync(snapshot_of(p, sync), int(sync["sent_step"]), int(sync["due_step"]))
+            paced = sync.get("paced", False)  # absent from the state of an earlier release: unpaced
+            if not isinstance(paced, bool):
+                raise ValueError(f"the sync in flight of fragment {p} says paced={paced!r}")
+            sent, due = int(sync["sent_step"]), int(sync["due_step"])
+            in_flight[p] = PendingSync(snapshot_of(p, sync), sent, due, paced=paced)
         self.in_flight = in_flight
 
 
@@ -387,10 +408,10 @@ class Streaming(Strategy):
         fragments: list[Fragment],
         settings: AlgoSettings,
         placement: Placement | None = None,
-        feedback: Codec | None = None,
+        codecs: SyncCodecs | None = None,
     ) -> None:
         schedule = FixedSchedule(settings.inner_steps, len(fragments))
-        super().__init__(model, fragments, schedule, settings.overlap, settings.outer, placement, feedback)
+        super().__init__(model, fragments, schedule, settings.overlap, settings.outer, placement, codecs)
         self.alpha = self.kept_share = settings.alpha
 
     def merge(
@@ -409,14 +430,12 @@ class CoCoDC(Strategy):
         settings: AlgoSettings,
         decay_between: Callable[[int, int], float] | None = None,
         placement: Placement | None = None,
-        feedback: Codec | None = None,
+        codecs: SyncCodecs | None = None,
     ) -> None:
         self.schedule: AdaptiveSchedule = AdaptiveSchedule(
             settings.inner_steps, len(fragments), settings.transmissions
         )
-        super().__init__(
-            model, fragments, self.schedule, settings.overlap, settings.outer, placement, feedback
-        )
+        super().__init__(model, fragments, self.schedule, settings.overlap, settings.outer, placement, codecs)
         self.settings = settings
         self.kept_share = settings.dc_alpha
         self.decay_between = decay_between
@@ -431,10 +450,17 @@ class CoCoDC(Strategy):
         it started (``peer/lobby.py``: ``starting_pace``), so that its first syncs are paced too."""
         self.schedule.set_spacing(spacing)
 
-    def pace_wish(self, busy_per_round_s: float, step_time_s: float, settled: bool = True) -> int:
-        base, spacing = self.schedule.base_spacing, self.schedule.spacing
-        return paced_spacing(
-            base, self.settings.inner_steps, busy_per_round_s, step_time_s, spacing, settled, self.overlap
+    def pace_wish(
+        self, round_busy_s: Callable[[Codec], float], step_time_s: float, settled: bool = True
+    ) -> int:
+        base, spacing, steps = self.schedule.base_spacing, self.schedule.spacing, self.settings.inner_steps
+        steady, coarse = self.codecs.steady, self.codecs.paced
+        if coarse is None:
+            busy = round_busy_s(steady)
+            return paced_spacing(base, steps, busy, step_time_s, spacing, settled, self.overlap)
+        busy, coarse_busy = round_busy_s(steady), round_busy_s(coarse)
+        return paced_codec_spacing(
+            base, steps, busy, coarse_busy, step_time_s, spacing, settled, self.overlap
         )
 
     def merge(
@@ -501,18 +527,18 @@ def make_strategy(
     settings: AlgoSettings,
     decay_between: Callable[[int, int], float] | None = None,
     placement: Placement | None = None,
-    feedback: Codec | None = None,
+    codecs: SyncCodecs | None = None,
 ) -> ReplicaStrategy:
     """The strategy object of one replica for ``settings.algo``; the replica lives on
-    ``placement``'s device (default: the CPU). ``feedback``: the lossy codec whose error this
-    replica feeds back into its outer gradients (none: none is; ddp keeps none)."""
+    ``placement``'s device (default: the CPU). ``codecs``: the wire codecs of its syncs, and whether
+    it feeds a lossy one's error back into its outer gradients (default: fp32; ddp keeps none)."""
     if settings.algo == "ddp":
         return DataParallel(model)
     if settings.algo == "diloco":
         whole_model = make_fragments(model, 1, "sequential")
         schedule = FixedSchedule(settings.inner_steps, 1)
-        return Strategy(model, whole_model, schedule, 0, settings.outer, placement, feedback)
+        return Strategy(model, whole_model, schedule, 0, settings.outer, placement, codecs)
     fragments = make_fragments(model, settings.fragments, settings.pattern)
     if settings.algo == "streaming":
-        return Streaming(model, fragments, settings, placement, feedback)
-    return CoCoDC(model, fragments, settings, decay_between, placement, feedback)
+        return Streaming(model, fragments, settings, placement, codecs)
+    return CoCoDC(model, fragments, settings, decay_between, placement, codecs)

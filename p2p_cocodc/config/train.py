@@ -25,6 +25,7 @@ from p2p_cocodc.names import (
     DC_RULES,
     DEFAULT_CODEC,
     DEFAULT_TOPK,
+    FINER_THAN_Q2,
     LOG_SINKS,
     NEEDS_FEEDBACK,
     PRECISIONS,
@@ -89,6 +90,13 @@ class TrainConfig:
         "wire format of exchanged outer gradients (the default chosen on held-out data: docs/codecs.md)",
         CODEC_NAMES,
         shown=f"{DEFAULT_CODEC}; ddp: fp32",
+    )
+    paced_codec: str = opt(
+        AUTO,
+        "cocodc: the wire format of syncs sent while a link paces the swarm (a send slot wider than "
+        "⌊H/N⌋), for more rounds through the same link; auto: q2 where --codec is fp32, bf16, int8 or "
+        "fp4 (with error feedback), else --codec; same: --codec throughout",
+        (AUTO, "same", *CODEC_NAMES),
     )
     topk: float = opt(
         DEFAULT_TOPK,
@@ -317,6 +325,14 @@ class TrainConfig:
                 f"--codec {self.codec} is too coarse without error feedback, which ddp's gradient "
                 "average does not keep: use fp32, bf16, int8 or fp4 with ddp"
             )
+        if self.paced_codec not in (AUTO, "same"):
+            if self.algo != "cocodc":
+                raise UserError(
+                    f"--paced-codec applies to cocodc, whose swarm a slow link paces; {self.algo} keeps "
+                    "its timetable: leave it out"
+                )
+            if self.paced_codec in NEEDS_FEEDBACK and not self.error_feedback:
+                raise UserError(f"--paced-codec {self.paced_codec} is too coarse without error feedback")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"--device {self.device!r}: use auto, cpu, cuda, cuda:N or mps")
         if self.data is not None and self.data.startswith("builtin:"):
@@ -339,6 +355,18 @@ class TrainConfig:
         if self.codec is not None:
             return self.codec
         return "fp32" if self.algo in AVERAGE_GRADIENTS else DEFAULT_CODEC
+
+    @property
+    def paced_wire_codec(self) -> str | None:
+        """--paced-codec resolved: the codec of syncs sent while a link paces the swarm, or None
+        where they use ``wire_codec`` (not cocodc, 'same', the same codec, or auto where q2 would
+        not be coarser: --codec q2, topk2, topk4, or no error feedback, which q2 needs)."""
+        if self.algo != "cocodc" or self.paced_codec == "same":
+            return None
+        if self.paced_codec == AUTO:
+            coarser = self.error_feedback and self.wire_codec in FINER_THAN_Q2
+            return "q2" if coarser else None
+        return None if self.paced_codec == self.wire_codec else self.paced_codec
 
     def inner_shares(self) -> list[float] | None:
         """--inner-share per data shard (None: auto); UserError naming the option on a bad value."""

@@ -106,7 +106,7 @@ def shared_options(setup: TrainingSetup, settings: AlgoSettings) -> dict[str, An
         "seq_len": cfg.seq_len,
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
-        "codec": [cfg.wire_codec, cfg.topk, cfg.error_feedback],
+        "codec": [cfg.wire_codec, cfg.paced_wire_codec, cfg.topk, cfg.error_feedback],
         "aggregation": asdict(cfg.aggregation()),
         "workers": cfg.workers,
         "data_shards": cfg.data_shards,

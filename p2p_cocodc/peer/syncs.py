@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.algorithms.devices import HostCopy, StepTimer, peak_memory_bytes
 from p2p_cocodc.algorithms.inner_share import RegionShare
 from p2p_cocodc.algorithms.schedules import NARROW_AFTER_ROUNDS
@@ -137,15 +138,17 @@ class SwarmReplica:
 
     # ---- sizes ----
 
-    def round_bytes(self) -> int:
-        """What this peer sends in the largest round: a butterfly over up to --max-peers members."""
-        return allreduce_wire_bytes(self.setup.codec, self.strategy.largest_round(), self.cfg.data_shards)
+    def round_bytes(self, codec: Codec | None = None) -> int:
+        """What this peer sends in the largest round, a butterfly over up to --max-peers members, in
+        ``codec`` (default: --codec, the steady one; a paced one sends less)."""
+        codec = codec or self.setup.codec
+        return allreduce_wire_bytes(codec, self.strategy.largest_round(), self.cfg.data_shards)
 
     def max_message_bytes(self) -> int:
         """The largest message of the run: the largest round's average in fp32 (a FETCH answer), or
-        a slice of it encoded with the run's codec, plus room for the message's other fields."""
+        a slice of it encoded with either of the run's codecs, plus room for the message's other fields."""
         numel = self.strategy.largest_round()
-        return max(4 * numel, self.setup.codec.bound_bytes(numel)) + 64 * 1024
+        return max(4 * numel, self.setup.codecs.largest(numel)) + 64 * 1024
 
     @property
     def bytes_sent(self) -> int:
@@ -366,21 +369,34 @@ class SwarmReplica:
         take_part = pace is not None
         started = time.perf_counter()
         recent = self.share.recent(sent_step)
-        averaged = await self.exchange.allreduce(round_id, vector, sent_step, take_part, pace or 0, recent)
+        codec = strategy.sync_codec(p)  # type: ignore[attr-defined]
+        averaged = await self.exchange.allreduce(
+            round_id, vector, sent_step, take_part, pace or 0, recent, codec
+        )
         self.metrics.round_seconds.observe(time.perf_counter() - started)
         return await asyncio.to_thread(strategy.prepare, p, averaged)  # type: ignore[attr-defined]
 
     def _pace_wish(self) -> int:
         """The send-slot spacing this peer's link keeps up with (0: none, or --pace fixed): each
         round's group takes the largest its members ask for. The link's busy time per round is
-        measured (``LinkMeter``); until a delivery was acknowledged, it is what the declared link
-        (--bandwidth-mbps) would take for a round's bytes."""
+        measured (``LinkMeter``) on the rounds of the codec a sync sent now takes, else on those of
+        the run's other codec (``SyncCodecs``), scaled by their bytes; until a delivery was
+        acknowledged, it is what the declared link (--bandwidth-mbps) would take for a round's bytes."""
         assert self.exchange is not None
         if self.pace == "fixed" or self.strategy.send_spacing() is None:
             return 0
         link = self.exchange.link
-        busy = link.busy_per_round_s() or declared_busy_s(self.exchange.round_bytes, self.cfg.bandwidth_mbps)
-        return self.strategy.pace_wish(busy, self.step_time_s, link.rounds() >= NARROW_AFTER_ROUNDS)
+        now = self.strategy.next_codec()  # type: ignore[attr-defined]
+        measured = [now, *(c for c in self.setup.codecs.all() if c != now)]  # the freshest first
+
+        def round_busy_s(codec: Codec) -> float:
+            for known in measured:  # a round's link time is its bytes: scaled from another codec's
+                if busy := link.busy_per_round_s(known.name):
+                    return busy * self.round_bytes(codec) / self.round_bytes(known)
+            return declared_busy_s(self.round_bytes(codec), self.cfg.bandwidth_mbps)
+
+        settled = link.rounds(now.name) >= NARROW_AFTER_ROUNDS
+        return self.strategy.pace_wish(round_busy_s, self.step_time_s, settled)
 
     async def apply(self, p: int, step: int) -> bool:
         assert self.exchange is not None and self.presence is not None
@@ -414,7 +430,8 @@ class SwarmReplica:
             self._record_round(round_id, completed=False)
             return True
         self.failed_in_a_row = 0
-        self._record_round(round_id, completed=True)
+        codec = strategy.sync_codec(p).name  # type: ignore[attr-defined]
+        self._record_round(round_id, completed=True, codec=codec)
         was = strategy.send_spacing()
         if self.region is not None:  # the merge reads the fragment's local progress
             self.region.collect(strategy.fragments[p].params, self.trainer.model)
@@ -442,14 +459,17 @@ class SwarmReplica:
             " (further changes are logged with --verbose)" if first else "",
         )
 
-    def _record_round(self, round_id: str, completed: bool) -> None:
+    def _record_round(self, round_id: str, completed: bool, codec: str | None = None) -> None:
         """One record in --out for every sync this peer settles: the round's group (data shards, in
-        member order), the pace it agreed on and whether it completed. ``simulate --events``
-        replays them."""
+        member order), the pace it agreed on, whether it completed and, for a fragment's completed
+        round, the wire codec its payloads took (``SyncCodecs``: it follows from the pace the
+        schedule held at the send, so a replay needs only the pace). ``simulate --events`` replays
+        them."""
         assert self.exchange is not None
         group = self.exchange.groups.get(round_id) if completed else None
         members, pace = (list(group.shards), group.pace) if group is not None else ([], 0)
         record = {"kind": "round", "round": round_id, "step": self.step, "members": members, "pace": pace}
+        record.update({"codec": codec} if codec is not None else {})
         self.records.write({**record, "completed": completed})
 
     def _sync_failed(self, p: int, step: int, exc: RoundFailed) -> None:

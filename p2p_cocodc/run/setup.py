@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2p_cocodc.algorithms.codecs import Codec, get_codec
+from p2p_cocodc.algorithms.codecs import Codec, SyncCodecs, get_codec
 from p2p_cocodc.algorithms.devices import Placement
 from p2p_cocodc.algorithms.fragments import make_fragments
 from p2p_cocodc.algorithms.inner import InnerTrainer, evaluate
@@ -54,6 +54,7 @@ class TrainingSetup:
         self.num_params = count_parameters(self.base)
         self.inner = cfg.inner_settings()
         self.codec: Codec = get_codec(cfg.wire_codec, cfg.topk)
+        self.codecs = sync_codecs(self.codec, cfg.paced_wire_codec, cfg.topk, cfg.error_feedback)
         self.val_batches = validation_batches(self.tokens.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
 
     def data_sha256(self) -> str:
@@ -85,8 +86,8 @@ class TrainingSetup:
     ) -> ReplicaStrategy:
         """The strategy of a replica ``model`` on ``placement`` (default: the replica's device);
         θ̄ starts as the model's parameters."""
-        feedback = self.codec if self.cfg.error_feedback and not self.codec.lossless else None
-        return make_strategy(model, settings, self.inner.decay_between, placement or self.placement, feedback)
+        where = placement or self.placement
+        return make_strategy(model, settings, self.inner.decay_between, where, self.codecs)
 
     def eval_model(self) -> nn.Module:
         """A copy of the model on the replica's device, that evaluations load θ̄ into."""
@@ -223,6 +224,21 @@ def fallback_folder(cfg: TrainConfig, steps: int) -> str:
     while folder.exists():
         folder, n = name.with_name(f"{name.name}.{n}"), n + 1
     return str(folder)
+
+
+def sync_codecs(steady: Codec, paced: str | None, topk: float, feedback: bool) -> SyncCodecs:
+    """The run's codecs (``SyncCodecs``): --codec, and --paced-codec resolved (``paced``), which must
+    send fewer bytes than --codec; UserError if it does not."""
+    if paced is None:
+        return SyncCodecs(steady, None, feedback)
+    coarse = get_codec(paced, topk)
+    n = 1 << 20
+    if coarse.round_bytes(n, 2) >= steady.round_bytes(n, 2):
+        raise UserError(
+            f"--paced-codec {paced} sends as many bytes as --codec {steady.name} or more; a paced link "
+            "needs a coarser one (or 'same')"
+        )
+    return SyncCodecs(steady, coarse, feedback)
 
 
 def allreduce_wire_bytes(codec: Codec, numel: int, replicas: int) -> int:

@@ -29,6 +29,7 @@ import torch
 
 from p2p_cocodc.algorithms.aggregation import CosineRecord
 from p2p_cocodc.algorithms.butterfly import butterfly_mean
+from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.algorithms.inner import InnerTrainer
 from p2p_cocodc.algorithms.inner_share import RegionShare, auto_share, weight
 from p2p_cocodc.algorithms.state import expect_tensor
@@ -92,7 +93,7 @@ class Simulation:
         self.cfg = cfg
         self.setup = setup = TrainingSetup(cfg)
         self.num_params = setup.num_params
-        self.codec = setup.codec
+        self.codec = setup.codec  # ddp's gradient rounds; a fragment's sync takes its own (``SyncCodecs``)
         self.aggregation = cfg.aggregation()
         self.link = Link(cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6)
         if step_time is None:
@@ -221,7 +222,7 @@ class Simulation:
         """The gradient round of ``step`` (False: it failed, as the replayed swarm's did)."""
         strategies = {i: w.strategy for i, w in self.workers.items()}
         payloads = {i: s.gradient_payload() for i, s in strategies.items()}
-        averaged, wire = self._average(f"g:{step}", step, payloads)
+        averaged, wire = self._average(f"g:{step}", step, payloads, self.codec)
         if wire < 0:
             raise UserError(f"--events {self.cfg.events} has no record of round g:{step}")
         self._transfer_and_wait(wire)
@@ -328,11 +329,11 @@ class Simulation:
         return record.pace if record is not None else 0
 
     def _average(
-        self, round_id: str, step: int, payloads: dict[int, torch.Tensor]
+        self, round_id: str, step: int, payloads: dict[int, torch.Tensor], codec: Codec
     ) -> tuple[torch.Tensor | None, int]:
-        """A round's aggregate of the payloads by data shard (None if it failed) and the bytes one
-        replica's link carried; the data shards its slice owners screened out are kept for an
-        exclusion record."""
+        """A round's aggregate of the payloads by data shard in ``codec`` (None if it failed) and
+        the bytes one replica's link carried; the data shards its slice owners screened out are
+        kept for an exclusion record."""
         try:
             group = self._group(round_id)
         except KeyError:
@@ -351,11 +352,11 @@ class Simulation:
         ids = [self.events.member(i, step) for i in group] if self.events is not None else group
         weights = [weight(*self.shares[i].recent(step)) for i in group]
         averaged, excluded = butterfly_mean(
-            [payloads[i] for i in group], self.codec, self.aggregation, owners, ids, weights
+            [payloads[i] for i in group], codec, self.aggregation, owners, ids, weights
         )
         if excluded:
             self.exclusions.append((round_id, [group[i] for i in excluded]))
-        return averaged, allreduce_wire_bytes(self.codec, averaged.numel(), len(group))
+        return averaged, allreduce_wire_bytes(codec, averaged.numel(), len(group))
 
     def _cosine_record(self, shard: int) -> CosineRecord:
         if shard not in self.cosine_records:
@@ -367,7 +368,9 @@ class Simulation:
         virtual clock when the link has carried its bytes."""
         strategies = {i: w.strategy for i, w in self.workers.items()}
         round_id = f"f{p}:{step}"
-        averaged, wire = self._average(round_id, step, {i: s.payload(p, step) for i, s in strategies.items()})
+        payloads = {i: s.payload(p, step) for i, s in strategies.items()}  # type: ignore[attr-defined]
+        codec = next(iter(strategies.values())).sync_codec(p)  # type: ignore[attr-defined]
+        averaged, wire = self._average(round_id, step, payloads, codec)  # the codec its send took
         self.bytes_sent += max(wire, 0)
         arrives = self.link.send(self.clock, max(wire, 0))
         missing = round_id if wire < 0 else ""

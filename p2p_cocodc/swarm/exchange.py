@@ -165,28 +165,31 @@ class LinkMeter:
     from the start of its write to the member's acknowledgement. Deliveries to several members
     overlap, so the busy time is the union of those intervals; divided by the number of rounds they
     belong to, it is the link time one round takes here (whatever else shares the link, and however
-    much the kernel and the daemon buffer), over the last ``LINK_WINDOW`` deliveries."""
+    much the kernel and the daemon buffer), over the last ``LINK_WINDOW`` deliveries. Rounds of
+    each wire codec (``SyncCodecs``) are timed apart: a paced swarm's rounds are smaller."""
 
     def __init__(self) -> None:
-        self.deliveries: deque[tuple[float, float, str]] = deque(maxlen=LINK_WINDOW)
+        self.deliveries: deque[tuple[float, float, str, str]] = deque(maxlen=LINK_WINDOW)
 
-    def record(self, started: float, acked: float, round_id: str) -> None:
-        self.deliveries.append((started, acked, round_id))
+    def record(self, started: float, acked: float, round_id: str, codec: str) -> None:
+        self.deliveries.append((started, acked, round_id, codec))
 
-    def rounds(self) -> int:
-        """The rounds whose deliveries the window holds."""
-        return len({round_id for _, _, round_id in self.deliveries})
+    def rounds(self, codec: str) -> int:
+        """The rounds of ``codec`` whose deliveries the window holds."""
+        return len({round_id for _, _, round_id, used in self.deliveries if used == codec})
 
-    def busy_per_round_s(self) -> float:
-        """0.0 until a delivery was acknowledged."""
-        if not self.deliveries:
+    def busy_per_round_s(self, codec: str) -> float:
+        """The link time one round of ``codec`` took here; 0.0 until one of its deliveries was
+        acknowledged."""
+        rounds = self.rounds(codec)
+        if not rounds:
             return 0.0
         busy, reach = 0.0, -math.inf
-        for start, end, _ in sorted(self.deliveries):
-            if end > reach:
+        for start, end, _, used in sorted(self.deliveries):
+            if used == codec and end > reach:
                 busy += end - max(start, reach)
                 reach = end
-        return busy / self.rounds()
+        return busy / rounds
 
 
 class FragmentExchange:
@@ -299,12 +302,14 @@ class FragmentExchange:
         take_part: bool = True,
         pace: int = 0,
         recent: tuple[int, int] = (0, 0),
+        codec: Codec | None = None,
     ) -> torch.Tensor:
         """The mean of ``vector`` over this round's group; a peer left out of the group, or whose
         all-reduce failed, gets the average another peer completed, bit for bit. ``pace``: the
         send-slot spacing this peer asks for (``paced_spacing``); the round's agreed pace is in
         ``groups[round_id]`` once it completed. ``recent``: (trained, window), the steps ``vector``
-        covers (``inner_share.recent_steps``), which weighs it in the mean.
+        covers (``inner_share.recent_steps``), which weighs it in the mean. ``codec``: the round's wire
+        codec (``SyncCodecs``; default: the run's).
 
         ``take_part=False``: this peer only wants the round's average (it joined the run after the
         round was sent, or is coming back to it): it promises to join no group of the round and asks
@@ -323,7 +328,7 @@ class FragmentExchange:
                 # a machine opened by another peer's message holds the board as of then, and a
                 # tick may not have passed since: it must not lead with a view older than ours
                 self._feed(round_id, machine, ViewChanged(self._board()))
-                self._feed(round_id, machine, Start(step, vector, pace, recent))
+                self._feed(round_id, machine, Start(step, vector, pace, recent, codec or self.codec))
             elif take_part:
                 raise RoundFailed(f"round {round_id} was already run here")
             result = machine.outcome if machine.outcome is not None else await outcome
@@ -459,7 +464,7 @@ class FragmentExchange:
             old.forget_average()
 
     async def _compute(self, round_id: str, machine: RoundMachine, effect: Compute) -> None:
-        result = await asyncio.to_thread(run_job, effect.job, self.codec)
+        result = await asyncio.to_thread(run_job, effect.job, machine.codec)
         self._feed(round_id, machine, result)
 
     async def _tick(self) -> None:
@@ -520,6 +525,8 @@ class FragmentExchange:
         if size < BULK_BYTES:
             await self._write(to, message)
             return
+        machine = self.open.get(message.round_id) or self.finished.get(message.round_id)
+        codec = (machine.codec if machine is not None else self.codec).name  # the round's (``SyncCodecs``)
         turn = self.link_turns.setdefault(to, asyncio.Lock())
         async with turn:
             acked = self.acks_awaited[key] = asyncio.Event()
@@ -530,7 +537,7 @@ class FragmentExchange:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(acked.wait(), wait)
                         if self.acks_awaited.get(key) is acked:  # acknowledged, not given up
-                            self.link.record(started, time.monotonic(), message.round_id)
+                            self.link.record(started, time.monotonic(), message.round_id, codec)
             finally:
                 if self.acks_awaited.get(key) is acked:
                     del self.acks_awaited[key]

@@ -256,6 +256,7 @@ class RoundMachine:
         if self.phase != Phase.IDLE:
             return
         self.step, self.vector, self.wish = event.step, event.vector, event.pace
+        self.codec = event.codec or self.codec  # the round's own: it may be coarser than the run's
         self.recent[self.me] = event.recent
         self.started_at = now
         etas = [max(event.step - p.step, 0) * p.step_time_s for p in self.view.values()]
@@ -617,10 +618,9 @@ class RoundMachine:
             self._settle(Completed(self.vector, self.members, self.pace, by_butterfly=True), now, out)
             return
         self.sizes = slice_sizes(self.vector.numel(), len(self.members), self.codec.block)
+        expected = self.codec.wire_bytes(self.sizes[self._index(self.me)])
         for sender in list(self.parts):
-            if sender != self.me and len(self.parts[sender]) != self.codec.wire_bytes(
-                self.sizes[self._index(self.me)]
-            ):
+            if sender != self.me and len(self.parts[sender]) != expected:
                 self._recover(now, out, f"peer {short(sender)} sent a slice of the wrong size")
                 return
         self.jobs_out.add("encode")

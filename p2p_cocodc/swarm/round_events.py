@@ -89,6 +89,7 @@ class Start:
     vector: torch.Tensor
     pace: int = 0
     recent: tuple[int, int] = (0, 0)  # (trained, window) of the steps ``vector`` covers (``--inner-share``)
+    codec: Codec | None = None  # the round's wire codec (``SyncCodecs``); None: the machine's
 
 
 @dataclass(frozen=True)
