@@ -238,7 +238,7 @@ def test_with_a_paced_codec_the_spacing_says_which_codec_a_link_keeps_up_with() 
     """--paced-codec (a coarser codec's round takes half the steady one's link time here): ⌊H/N⌋ =
     24 of H = 48, q = 6, a step of 0.1 s. The steady codec at ⌊H/N⌋ while its rounds fit there, or
     at ⌊H/N⌋ + q where τ is too short to land them (latency, which fewer bytes do not help); else
-    the coarser one, at least ⌊H/N⌋ + 2q = 36, the spacing that says so; and back to the steady
+    the coarser one, at least ⌊H/N⌋ + q + 1 = 31, the spacing that says so; and back to the steady
     codec only where its rounds fit with 1.4× headroom, once the link's measurement settled."""
 
     def wish(steady_busy: float, current: int = 24, settled: bool = True, overlap: int = 23) -> int:
@@ -247,16 +247,16 @@ def test_with_a_paced_codec_the_spacing_says_which_codec_a_link_keeps_up_with() 
 
     assert wish(1.6) == 24  # the steady codec: 1.25 · 1.6 s = 20 steps
     assert wish(1.6, overlap=12) == 30  # steady, paced by a grain: 20 steps > τ + 1 = 13
-    assert wish(3.0) == 36  # steady 37.5 steps; coarse 18.75, at least ⌊H/N⌋ + 2q
+    assert wish(3.0) == 31  # steady 37.5 steps; coarse 18.75, at least ⌊H/N⌋ + q + 1
     assert wish(6.0) == 42  # coarse: 1.25 · 3 s = 37.5 steps, up to a multiple of 6
     assert wish(0.0) == 24  # nothing measured yet
     assert AdaptiveSchedule(48, 2, 2).bandwidth_paced() is False
-    for spacing, coarse in ((30, False), (36, True)):
+    for spacing, coarse in ((30, False), (31, True)):
         schedule = AdaptiveSchedule(48, 2, 2)
         schedule.set_spacing(spacing)
         assert schedule.bandwidth_paced() is coarse
-    # with the coarser codec in use (current ≥ 36)
-    assert wish(3.0, current=36) == 36  # steady: 1.4 · 3 s = 42 steps, too many for 24
+    # with the coarser codec in use (current ≥ 31)
+    assert wish(3.0, current=36) == 31  # steady: 1.4 · 3 s = 42 steps, too many; coarse 21, at least 31
     assert wish(1.6, current=36) == 24  # steady: 1.4 · 1.6 s = 22.4 steps fit in 24
     assert wish(1.6, current=36, settled=False) == 36  # not before the measurement settled
     assert wish(6.0, current=42) == 42  # coarse: the narrowing headroom keeps 42 (1.4 · 30 = 42)

@@ -160,9 +160,9 @@ class AdaptiveSchedule:
         self.spacing = min(max(spacing, self.base_spacing), MAX_PACE_PERIODS * self.inner_steps)
 
     def bandwidth_paced(self) -> bool:
-        """A link's bandwidth paces the swarm: the send slots are at least ⌊H/N⌋ + 2q apart
-        (``coarse_spacing``), wider than ⌊H/N⌋ + q, which gives a round its whole slot instead of
-        τ steps. ``SyncCodecs.paced`` is then the codec of a sync sent."""
+        """A link's bandwidth paces the swarm: the send slots are wider than ⌊H/N⌋ + q
+        (``coarse_spacing``), which gives a round its whole slot instead of τ steps.
+        ``SyncCodecs.paced`` is then the codec of a sync sent."""
         return self.spacing >= coarse_spacing(self.base_spacing)
 
     def overlap(self, configured: int) -> int:
@@ -245,10 +245,11 @@ def paced_spacing(
 
 def coarse_spacing(base: int) -> int:
     """The narrowest send-slot spacing whose syncs take the paced codec (``SyncCodecs``):
-    ⌊H/N⌋ + 2q (``base`` is ⌊H/N⌋, q = max(1, ⌊base/4⌋)). ⌊H/N⌋ + q is what a steady round asks for
-    where τ steps are too few to land it (``paced_spacing``): a matter of latency, which fewer
-    bytes do not help."""
-    return base + 2 * max(1, base // PACE_GRAIN)
+    ⌊H/N⌋ + q + 1 (``base`` is ⌊H/N⌋, q = max(1, ⌊base/4⌋)). ⌊H/N⌋ + q is what a steady round asks
+    for where τ steps are too few to land it (``paced_spacing``): a matter of latency, which fewer
+    bytes do not help. One step more, not a grain more: on `thin` q2's rounds fit in ⌊H/N⌋ + q = 30
+    steps, and a floor of ⌊H/N⌋ + 2q = 36 synced 13 rounds where 16 fit."""
+    return base + max(1, base // PACE_GRAIN) + 1
 
 
 def paced_codec_spacing(
