@@ -284,6 +284,18 @@ def test_a_paced_schedule_counts_its_slots_from_the_last_send() -> None:
     restored = AdaptiveSchedule(inner_steps=24, num_fragments=4, transmissions=1)
     restored.load_state_dict(schedule.state_dict())  # a joiner's slots are the swarm's
     assert [t for t in range(157, 200) if restored.select(t, ())] == [186]
+    # a narrower spacing that comes after its first slot (the result carrying it landed 41 steps
+    # after the last send): a slot at once, and the spacing from there; a restored schedule keeps it
+    assert sends(range(160, 187)) == [186]
+    schedule.set_spacing(42, step=187)
+    assert sends(range(187, 229)) == [228]
+    schedule.set_spacing(31, step=269)  # 269 − 228 = 41 > 31: the slot at 259 has passed
+    restored.load_state_dict(schedule.state_dict())
+    assert sends(range(269, 301)) == [269, 300]
+    assert [t for t in range(269, 301) if restored.select(t, ())] == [269, 300]
+    schedule.set_spacing(62, step=301)  # wider: no catching up
+    schedule.set_spacing(31, step=320)  # narrower, but 320 − 300 = 20: its first slot is still ahead
+    assert sends(range(301, 340)) == [331]
 
 
 def test_adaptive_schedule_picks_highest_drift() -> None:

@@ -36,7 +36,7 @@ class Schedule(Protocol):
 
     def record_result(self, fragment: int, rms: float | None) -> None: ...
 
-    def set_spacing(self, spacing: int) -> None: ...
+    def set_spacing(self, spacing: int, step: int | None = None) -> None: ...
 
     def bandwidth_paced(self) -> bool: ...
 
@@ -73,7 +73,7 @@ class FixedSchedule:
     def record_result(self, fragment: int, rms: float | None) -> None:
         """Fixed offsets ignore the results."""
 
-    def set_spacing(self, spacing: int) -> None:
+    def set_spacing(self, spacing: int, step: int | None = None) -> None:
         raise ValueError("a fixed timetable cannot be paced: only CoCoDC's adaptive schedule can")
 
     def bandwidth_paced(self) -> bool:
@@ -97,17 +97,17 @@ class AdaptiveSchedule:
 
     One slot every h = ⌊H/N⌋ steps, counted from the last send: a slot at step t when
     t − (the last step any fragment was sent) is a positive multiple of h (at first, the multiples
-    of h). At a slot, among fragments not in flight: the fragment sent
-    longest ago if it was not sent for ≥ H steps (staleness bound; ties: the first); else the first
-    never-sent fragment; else the highest
-    drift score rms(last averaged Δ_p) · (steps since p's last send) / (length of p's last
+    of h; after a narrowing that came too late for its first slot, see ``set_spacing``). At a
+    slot, among fragments not in flight: the fragment sent longest ago if it was not sent for
+    ≥ H steps (staleness bound; ties: the first); else the first never-sent fragment; else the
+    highest drift score rms(last averaged Δ_p) · (steps since p's last send) / (length of p's last
     interval). The score uses only averaged results and send steps, identical on every peer.
 
     The spacing may be widened while the run goes on (``set_spacing``: "send less"), from a value
     every replica learns at the same step (in a swarm, with a round's average; see ``paced_spacing``);
     it is never narrower than ⌊H/N⌋, and it is part of the state. Slots counted from the last send
     keep two sends at least the spacing apart across a change of it (the multiples of a new spacing
-    may lie a step after the last send), and need no state beyond the send steps.
+    may lie a step after the last send).
     """
 
     scores_results = True
@@ -120,9 +120,10 @@ class AdaptiveSchedule:
         self.prev_send = [0] * num_fragments
         self.sent = [False] * num_fragments
         self.last_rms = [0.0] * num_fragments
+        self.slots_from = 0  # the step slots are counted from: the last send (or see ``set_spacing``)
 
     def select(self, step: int, in_flight: Collection[int]) -> list[int]:
-        last = max(self.last_send)
+        last = self.slots_from
         if step <= last or (step - last) % self.spacing:
             return []
         free = [p for p in range(len(self.sent)) if p not in in_flight]
@@ -144,6 +145,7 @@ class AdaptiveSchedule:
         self.prev_send[fragment] = self.last_send[fragment]
         self.last_send[fragment] = step
         self.sent[fragment] = True
+        self.slots_from = step
 
     def record_result(self, fragment: int, rms: float | None) -> None:
         """Remember the size of the averaged outer gradient (``delta_rms``): the drift estimate for
@@ -152,12 +154,19 @@ class AdaptiveSchedule:
             raise ValueError("an adaptive schedule scores fragments by rms(Δ): record_result needs it")
         self.last_rms[fragment] = rms
 
-    def set_spacing(self, spacing: int) -> None:
+    def set_spacing(self, spacing: int, step: int | None = None) -> None:
         """Send slots every ``spacing`` steps from the last send on, kept within [⌊H/N⌋, 4·H]: a pace
-        asked for by a faulty or hostile peer can slow a swarm no further."""
+        asked for by a faulty or hostile peer can slow a swarm no further. ``step``: the step it is
+        set at (with a round's result, before that step's sends). A narrower spacing whose first
+        slot has passed by then gives a slot at ``step`` itself, and the spacing counts from there:
+        on `thin` the result that narrowed the pace from 42 steps to 31 landed 41 steps after the
+        last send, and waiting for the next multiple of 31 (62 steps) cost a round."""
         if not isinstance(spacing, int) or isinstance(spacing, bool) or spacing < 1:
             raise ValueError(f"a send-slot spacing must be an int ≥ 1, got {spacing!r}")
+        was = self.spacing
         self.spacing = min(max(spacing, self.base_spacing), MAX_PACE_PERIODS * self.inner_steps)
+        if step is not None and self.spacing < was and step - self.slots_from > self.spacing:
+            self.slots_from = step - self.spacing
 
     def bandwidth_paced(self) -> bool:
         """A link's bandwidth paces the swarm: the send slots are wider than ⌊H/N⌋ + q
@@ -175,10 +184,11 @@ class AdaptiveSchedule:
         return max(configured, self.spacing - 1)
 
     def state_dict(self) -> dict[str, Any]:
-        """The slot spacing; send steps, sent flags and drift estimates per fragment (plain Python
-        values)."""
+        """The slot spacing and the step slots count from; send steps, sent flags and drift
+        estimates per fragment (plain Python values)."""
         return {
             "spacing": self.spacing,
+            "slots_from": self.slots_from,
             "last_send": list(self.last_send),
             "prev_send": list(self.prev_send),
             "sent": list(self.sent),
@@ -193,6 +203,10 @@ class AdaptiveSchedule:
         self.prev_send = expect_list(state["prev_send"], k, int, "prev_send")
         self.sent = expect_list(state["sent"], k, bool, "sent")
         self.last_rms = expect_list(state["last_rms"], k, float, "last_rms")
+        slots_from = state.get("slots_from", max(self.last_send))  # absent before 2026-11-28: the last send
+        if not isinstance(slots_from, int) or isinstance(slots_from, bool) or slots_from < 0:
+            raise ValueError(f"slots_from must be an int ≥ 0, got {slots_from!r}")
+        self.slots_from = slots_from
 
 
 def paced_spacing(

@@ -286,7 +286,7 @@ class Strategy(ReplicaStrategy):
         fragment.write(merged)
         self.schedule.record_result(p, averaged.rms)
         if spacing:
-            self.schedule.set_spacing(spacing)
+            self.schedule.set_spacing(spacing, step)
 
     def abandon(self, p: int) -> None:
         """The sync of fragment p failed: θ̄_p and the replica stay as they are, p may be sent again.
