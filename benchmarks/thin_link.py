@@ -135,7 +135,7 @@ def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
         "--eval-batches", "2", "--threads", "1", "--quiet", *declared,
     ] + (["--codec", args.codec] if args.codec else []) + (
         ["--paced-codec", args.paced_codec] if args.paced_codec else []
-    )  # fmt: skip
+    ) + (["--data", args.data] if args.data else [])  # fmt: skip
 
 
 def judge_codec(
@@ -664,6 +664,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=96, help="inner steps per peer")
     parser.add_argument("--timeout", type=float, default=480.0, help="seconds before a run's peers are ended")
     parser.add_argument("--algo", default="cocodc")
+    parser.add_argument("--data", help="the peers' --data (default: theirs, the embedded corpus)")
     parser.add_argument("--codec", default=None, help="the peers' --codec (default: theirs, fp4)")
     parser.add_argument(
         "--paced-codec", default=None, help="the peers' --paced-codec (default: theirs, auto: q2 while paced)"

@@ -214,10 +214,12 @@ def simulate(config_path: str | None, quiet: bool, **options: Any) -> None:
     checkpoint = find_resume_point(cfg)
     sim = Simulation(cfg) if checkpoint is None else Simulation.resumed(cfg, checkpoint)
     resumed = f", resumed after step {sim.step} from {checkpoint.path}" if checkpoint else ""
+    # a replayed swarm may have been paced: its syncs then took the paced codec
+    paced = f" ({cfg.paced_wire_codec} while paced)" if cfg.events and cfg.paced_wire_codec else ""
     click.echo(
         f"{cfg.algo}: {cfg.workers} workers, {sim.num_params / 1e6:.2f} M params, T={cfg.steps} "
         f"H={cfg.inner_steps} K={cfg.fragments} τ={sim.settings.overlap} "
-        f"N={sim.settings.transmissions} codec={cfg.wire_codec}{resumed}",
+        f"N={sim.settings.transmissions} codec={cfg.wire_codec}{paced}{resumed}",
         err=True,
     )
     writer = None

@@ -15,7 +15,8 @@ A peer writes to its ``--out`` file, besides its evaluations:
 - ``{"kind": "round", "round": "f2:96", "members": [0, 2], "pace": 6, "completed": true}`` for every
   round it settled: the data shards of the round's group (in member order), the send-slot spacing
   the group agreed on (CoCoDC's paced schedule takes it with the round's result; 0 or absent: none),
-  and whether the round completed.
+  and whether the round completed. A completed fragment round also names the ``"codec"`` its
+  payloads took (``SyncCodecs``): it follows from the pace, so a replay does not need it.
 
 θ̄ depends only on those, so ``simulate --events FILE`` with a peer's records reproduces what the
 swarm computed, bit for bit, when peers joined, left, crashed, or were left out of rounds: a
