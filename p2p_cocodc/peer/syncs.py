@@ -57,6 +57,23 @@ FAILING_STREAK = 3  # this many syncs of every fragment failing in a row: the sw
 MAX_RESYNCS = 5  # a peer that had to take the swarm's state again this often stops
 
 
+def say_paced(schedule: Any, was: int | None, round_id: str, said_before: bool) -> bool:
+    """Say that the swarm's pace changed (``schedule``: the paced one): a warning the first time it
+    sends less than asked, then info. Returns whether this was that first time."""
+    now = schedule.spacing
+    first = not said_before and now > schedule.base_spacing
+    log.log(
+        logging.WARNING if first else logging.INFO,
+        "the swarm now sends a fragment every %s steps (was %s): round %s agreed on the pace its "
+        "slowest link keeps up with%s",
+        now,
+        was,
+        round_id,
+        " (further changes are logged with --verbose)" if first else "",
+    )
+    return first
+
+
 def fragment_round(p: int, step: int) -> str:
     """The id of the round that syncs fragment ``p`` sent after inner step ``step``."""
     return f"f{p}:{step}"
@@ -385,15 +402,11 @@ class SwarmReplica:
         assert self.exchange is not None
         if self.pace == "fixed" or self.strategy.send_spacing() is None:
             return 0
-        link = self.exchange.link
-        now = self.strategy.next_codec()  # type: ignore[attr-defined]
-        measured = [now, *(c for c in self.setup.codecs.all() if c != now)]  # the freshest first
+        link, now, codecs = self.exchange.link, self.strategy.next_codec(), self.setup.codecs.all()  # type: ignore[attr-defined]
 
         def round_busy_s(codec: Codec) -> float:
-            for known in measured:  # a round's link time is its bytes: scaled from another codec's
-                if busy := link.busy_per_round_s(known.name):
-                    return busy * self.round_bytes(codec) / self.round_bytes(known)
-            return declared_busy_s(self.round_bytes(codec), self.cfg.bandwidth_mbps)
+            measured = link.round_s(codec, [now, *codecs], self.round_bytes)
+            return measured or declared_busy_s(self.round_bytes(codec), self.cfg.bandwidth_mbps)
 
         settled = link.rounds(now.name) >= NARROW_AFTER_ROUNDS
         return self.strategy.pace_wish(round_busy_s, self.step_time_s, settled)
@@ -430,8 +443,7 @@ class SwarmReplica:
             self._record_round(round_id, completed=False)
             return True
         self.failed_in_a_row = 0
-        codec = strategy.sync_codec(p).name  # type: ignore[attr-defined]
-        self._record_round(round_id, completed=True, codec=codec)
+        self._record_round(round_id, completed=True, codec=strategy.sync_codec(p).name)  # type: ignore[attr-defined]
         was = strategy.send_spacing()
         if self.region is not None:  # the merge reads the fragment's local progress
             self.region.collect(strategy.fragments[p].params, self.trainer.model)
@@ -440,24 +452,8 @@ class SwarmReplica:
             self.region.changed_params(strategy.fragments[p].params, self.trainer.model)
         self.versions[p] += 1
         if strategy.send_spacing() != was:
-            self._paced(was, round_id)
+            self.paced_before |= say_paced(strategy.schedule, was, round_id, self.paced_before)  # type: ignore[attr-defined]
         return True
-
-    def _paced(self, was: int | None, round_id: str) -> None:
-        """Say that the swarm's pace changed: a warning the first time it sends less than asked."""
-        schedule = self.strategy.schedule  # type: ignore[attr-defined] - only a paced schedule changes
-        now = schedule.spacing
-        first = not self.paced_before and now > schedule.base_spacing
-        self.paced_before |= first
-        log.log(
-            logging.WARNING if first else logging.INFO,
-            "the swarm now sends a fragment every %s steps (was %s): round %s agreed on the pace its "
-            "slowest link keeps up with%s",
-            now,
-            was,
-            round_id,
-            " (further changes are logged with --verbose)" if first else "",
-        )
 
     def _record_round(self, round_id: str, completed: bool, codec: str | None = None) -> None:
         """One record in --out for every sync this peer settles: the round's group (data shards, in
@@ -469,8 +465,7 @@ class SwarmReplica:
         group = self.exchange.groups.get(round_id) if completed else None
         members, pace = (list(group.shards), group.pace) if group is not None else ([], 0)
         record = {"kind": "round", "round": round_id, "step": self.step, "members": members, "pace": pace}
-        record.update({"codec": codec} if codec is not None else {})
-        self.records.write({**record, "completed": completed})
+        self.records.write({**record, "completed": completed, **({"codec": codec} if codec else {})})
 
     def _sync_failed(self, p: int, step: int, exc: RoundFailed) -> None:
         """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one

@@ -178,6 +178,15 @@ class LinkMeter:
         """The rounds of ``codec`` whose deliveries the window holds."""
         return len({round_id for _, _, round_id, used in self.deliveries if used == codec})
 
+    def round_s(self, codec: Codec, measured: list[Codec], round_bytes: Callable[[Codec], int]) -> float:
+        """The link time a round of ``codec`` takes here, from the first of ``measured`` (the codec in
+        use first) whose rounds were timed, scaled by the two codecs' ``round_bytes`` (a thin link's
+        round time is its bytes); 0.0 with nothing timed."""
+        for known in measured:
+            if busy := self.busy_per_round_s(known.name):
+                return busy * round_bytes(codec) / round_bytes(known)
+        return 0.0
+
     def busy_per_round_s(self, codec: str) -> float:
         """The link time one round of ``codec`` took here; 0.0 until one of its deliveries was
         acknowledged."""
@@ -308,8 +317,7 @@ class FragmentExchange:
         all-reduce failed, gets the average another peer completed, bit for bit. ``pace``: the
         send-slot spacing this peer asks for (``paced_spacing``); the round's agreed pace is in
         ``groups[round_id]`` once it completed. ``recent``: (trained, window), the steps ``vector``
-        covers (``inner_share.recent_steps``), which weighs it in the mean. ``codec``: the round's wire
-        codec (``SyncCodecs``; default: the run's).
+        covers (``inner_share.recent_steps``), which weighs it in the mean; ``codec``: its wire codec.
 
         ``take_part=False``: this peer only wants the round's average (it joined the run after the
         round was sent, or is coming back to it): it promises to join no group of the round and asks
@@ -525,8 +533,7 @@ class FragmentExchange:
         if size < BULK_BYTES:
             await self._write(to, message)
             return
-        machine = self.open.get(message.round_id) or self.finished.get(message.round_id)
-        codec = (machine.codec if machine is not None else self.codec).name  # the round's (``SyncCodecs``)
+        codec = (self.open.get(message.round_id) or self.finished.get(message.round_id) or self).codec.name
         turn = self.link_turns.setdefault(to, asyncio.Lock())
         async with turn:
             acked = self.acks_awaited[key] = asyncio.Event()
