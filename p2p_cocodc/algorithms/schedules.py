@@ -21,6 +21,11 @@ NARROW_AFTER_ROUNDS = 3  # rounds of a link measured before it may ask for a nar
 PACE_GRAIN = 4  # a paced spacing moves in steps of ⌊H/N⌋ / 4 (at least 1)
 
 
+def pace_grain(base: int) -> int:
+    """q = max(1, ⌊base/4⌋) (``PACE_GRAIN``; ``base`` is ⌊H/N⌋): the step a paced spacing moves in."""
+    return max(1, base // PACE_GRAIN)
+
+
 def delta_rms(delta: torch.Tensor) -> float:
     """rms(Δ) = sqrt(Σ Δ² / n), summed in fp64: the size of an averaged outer gradient, which
     CoCoDC's drift score uses. O(n) work on the CPU: a driver computes it off its training thread."""
@@ -242,7 +247,7 @@ def paced_spacing(
     stall of the run, 1.8 s (``docs/thin-link.md``)."""
     if busy_s <= 0 or step_time_s <= 0:
         return base
-    grain = max(1, base // PACE_GRAIN)
+    grain = pace_grain(base)
 
     def spacing(headroom: float) -> int:
         need = headroom * busy_s / step_time_s  # steps
@@ -263,7 +268,7 @@ def coarse_spacing(base: int) -> int:
     for where τ steps are too few to land it (``paced_spacing``): a matter of latency, which fewer
     bytes do not help. One step more, not a grain more: on `thin` q2's rounds fit in ⌊H/N⌋ + q = 30
     steps, and a floor of ⌊H/N⌋ + 2q = 36 synced 13 rounds where 16 fit."""
-    return base + max(1, base // PACE_GRAIN) + 1
+    return base + pace_grain(base) + 1
 
 
 def paced_codec_spacing(

@@ -454,13 +454,11 @@ class CoCoDC(Strategy):
         self, round_busy_s: Callable[[Codec], float], step_time_s: float, settled: bool = True
     ) -> int:
         base, spacing, steps = self.schedule.base_spacing, self.schedule.spacing, self.settings.inner_steps
-        steady, coarse = self.codecs.steady, self.codecs.paced
+        busy, coarse = round_busy_s(self.codecs.steady), self.codecs.paced
         if coarse is None:
-            busy = round_busy_s(steady)
             return paced_spacing(base, steps, busy, step_time_s, spacing, settled, self.overlap)
-        busy, coarse_busy = round_busy_s(steady), round_busy_s(coarse)
         return paced_codec_spacing(
-            base, steps, busy, coarse_busy, step_time_s, spacing, settled, self.overlap
+            base, steps, busy, round_busy_s(coarse), step_time_s, spacing, settled, self.overlap
         )
 
     def merge(

@@ -336,7 +336,7 @@ class FragmentExchange:
                 # a machine opened by another peer's message holds the board as of then, and a
                 # tick may not have passed since: it must not lead with a view older than ours
                 self._feed(round_id, machine, ViewChanged(self._board()))
-                self._feed(round_id, machine, Start(step, vector, pace, recent, codec or self.codec))
+                self._feed(round_id, machine, Start(step, vector, pace, recent, codec))
             elif take_part:
                 raise RoundFailed(f"round {round_id} was already run here")
             result = machine.outcome if machine.outcome is not None else await outcome
