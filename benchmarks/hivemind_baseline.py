@@ -327,6 +327,7 @@ def commands(
         ours = copy.copy(args)
         ours.steps = steps
         ours.undeclared = mbps is None  # on loopback a new user's defaults: the link is measured
+        ours.data = None  # the embedded corpus, as hivemind's workers train on
         options = training_options(ours, mbps or 0.0)
         for i, (_, host) in enumerate(where.peers):
             out = rundir / f"peer{i}.jsonl"
@@ -614,7 +615,9 @@ def check(args: argparse.Namespace) -> None:
         sys.exit(2)
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's options (``argv``: the command line's by default), with what
+    ``thin_link.training_options`` reads for our peers."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--profile",
@@ -626,6 +629,9 @@ def main() -> None:
     parser.add_argument("--loopback-steps", type=int, default=8, help="steps of the loopback runs")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run's peers are ended")
     parser.add_argument("--codec", default="fp4", help="our peers' --codec")
+    parser.add_argument(
+        "--paced-codec", default=None, help="our peers' --paced-codec (default: theirs, auto)"
+    )
     parser.add_argument("--overlap", default="auto", help="our peers' --overlap")
     parser.add_argument("--transmissions", default="auto", help="our peers' --transmissions")
     parser.add_argument(
@@ -655,14 +661,19 @@ def main() -> None:
     parser.add_argument("--bootstrap-file", help=argparse.SUPPRESS)
     parser.add_argument("--address-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     check(args)
+    if not HELPER:  # what thin_link.training_options reads
+        args.algo, args.rtt_ms, args.undeclared = "cocodc", PROFILES[args.profile].rtt_ms, False
+    return args
+
+
+def main() -> None:
+    args = arguments()
     if args.dht_bootstrap:
         return dht_bootstrap(args.host, args.address_file)
     if args.worker:
         return worker(args)
-    # what thin_link.training_options reads
-    args.algo, args.rtt_ms, args.undeclared = "cocodc", PROFILES[args.profile].rtt_ms, False
     mbps = PROFILES[args.profile].mbit
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hivemind-baseline-"))
     workdir.mkdir(parents=True, exist_ok=True)

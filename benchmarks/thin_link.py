@@ -658,7 +658,8 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's options (``argv``: the command line's by default), a ``--profile``'s link applied."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mbps", type=float, action="append", help="link rate; repeat for several runs")
     parser.add_argument("--steps", type=int, default=96, help="inner steps per peer")
@@ -695,10 +696,15 @@ def main() -> None:
         action="store_true",
         help="also time DHT calls from a bystander node in peer 0's namespace (own connections, same link)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.profile:
         args.rtt_ms = PROFILES[args.profile].rtt_ms
         args.mbps = [PROFILES[args.profile].mbit]
+    return args
+
+
+def main() -> None:
+    args = arguments()
     rates = args.mbps or [10.0, 2.0]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="thin-link-"))
     workdir.mkdir(parents=True, exist_ok=True)

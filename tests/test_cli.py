@@ -719,3 +719,31 @@ def test_the_command_line_beats_the_environment_and_the_environment_the_file(
     assert (opts.port, opts.refresh_s, opts.status_port) == (4002, 3.0, 4010)
     error = built_options(monkeypatch, tmp_path, "bootstrap", [], None, "colour = 'red'\n")
     assert "--config options.toml: unknown key 'colour'; valid keys: identity, host, port" in str(error)
+
+
+def test_the_benchmarks_start_peers_with_options_that_join_accepts(tmp_path: Path) -> None:
+    """The peers `benchmarks/thin_link.py` and `benchmarks/hivemind_baseline.py` start: their options
+    parse and build a configuration (an option one benchmark added once broke the other's peers)."""
+    from benchmarks import hivemind_baseline, thin_link
+    from p2p_cocodc.cli.main import _config_from, _swarm_from, join
+    from p2p_cocodc.algorithms.codecs import get_codec
+    from p2p_cocodc.config.join import SWARM
+    from p2p_cocodc.run.setup import sync_codecs
+
+    link = thin_link.arguments(["--profile", "thin", "--overlap", "auto", "--paced-codec", "same"])
+    argvs = [["--bootstrap", "10.0.0.1:1", *thin_link.training_options(link, link.mbps[0])]]
+    baseline = hivemind_baseline.arguments(["--profile", "thin", "--paced-codec", "q2"])
+    where = hivemind_baseline.Placement(("ns", "10.0.0.9"), [("ns", f"10.0.0.{i}") for i in range(3)])
+    _, _, peers = hivemind_baseline.commands("ours", baseline, where, tmp_path, 2.0, 96)
+    argvs += [argv[argv.index("join") + 1 :] for argv, _ in peers]
+    for argv in argvs:
+        options = dict(join.make_context("join", list(argv)).params)
+        for flag in ("config_path", "check", "quiet", "verbose"):
+            options.pop(flag)
+        swarm = {k: options.pop(k) for k in list(options) if k in SWARM.fields}
+        cfg = _config_from(None, options)
+        _swarm_from(None, swarm)
+        assert cfg.model == "small" and cfg.overlap == "auto", argv
+        sync_codecs(get_codec(cfg.wire_codec, cfg.topk), cfg.paced_wire_codec, cfg.topk, cfg.error_feedback)
+    assert argvs[0][argvs[0].index("--paced-codec") + 1] == "same"
+    assert argvs[-1][argvs[-1].index("--paced-codec") + 1] == "q2"
