@@ -725,8 +725,8 @@ def test_the_benchmarks_start_peers_with_options_that_join_accepts(tmp_path: Pat
     """The peers `benchmarks/thin_link.py` and `benchmarks/hivemind_baseline.py` start: their options
     parse and build a configuration (an option one benchmark added once broke the other's peers)."""
     from benchmarks import hivemind_baseline, thin_link
-    from p2p_cocodc.cli.main import _config_from, _swarm_from, join
     from p2p_cocodc.algorithms.codecs import get_codec
+    from p2p_cocodc.cli.main import _config_from, _swarm_from, join
     from p2p_cocodc.config.join import SWARM
     from p2p_cocodc.run.setup import sync_codecs
 
