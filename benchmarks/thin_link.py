@@ -135,7 +135,9 @@ def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
         "--eval-batches", "2", "--threads", "1", "--quiet", *declared,
     ] + (["--codec", args.codec] if args.codec else []) + (
         ["--paced-codec", args.paced_codec] if args.paced_codec else []
-    ) + (["--data", args.data] if args.data else [])  # fmt: skip
+    ) + (["--data", args.data] if args.data else []) + (
+        ["--final-sync"] if args.final_sync else []
+    )  # fmt: skip
 
 
 def judge_codec(
@@ -667,6 +669,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--algo", default="cocodc")
     parser.add_argument("--data", help="the peers' --data (default: theirs, the embedded corpus)")
     parser.add_argument("--codec", default=None, help="the peers' --codec (default: theirs, fp4)")
+    parser.add_argument(
+        "--final-sync", action="store_true", help="the peers sync every fragment after the last step"
+    )
     parser.add_argument(
         "--paced-codec", default=None, help="the peers' --paced-codec (default: theirs, auto: q2 while paced)"
     )

@@ -503,6 +503,34 @@ def test_topk_options_are_checked() -> None:
 # ---- joining a run under way ----
 
 
+def test_closing_the_run_syncs_every_fragment_not_sent_at_the_last_step_and_applies_it_at_once() -> None:
+    """--final-sync: at the last step a sync in flight is due at once, and every fragment but one the
+    schedule sent at that step goes once more with τ = 0; after those are applied, θ̄ holds every
+    fragment's training (streaming with α = 0 leaves the replica equal to θ̄)."""
+    settings = replace(SMALL, algo="streaming", fragments=2, overlap=3, alpha=0.0).algo_settings()
+    strategy = make_strategy(build_model("nano", 256, 32), settings)
+    assert isinstance(strategy, Strategy) and len(strategy.fragments) == 2
+    _progress(strategy, 0)
+    strategy.send(1, 38)  # in flight, due at 41
+    assert strategy.due(40) == []
+    strategy.close(40)
+    assert strategy.due(40) == [1]
+    strategy.apply(1, strategy.outer[1].global_params - strategy.in_flight[1].snapshot, 40)
+    assert strategy.sends_after(40) == [0, 1]
+    for p in (0, 1):
+        strategy.send(p, 40)
+    assert strategy.due(40) == [0, 1]  # τ = 0
+    for p in (0, 1):
+        strategy.apply(p, strategy.outer[p].global_params - strategy.in_flight[p].snapshot, 40)
+    for p, fragment in enumerate(strategy.fragments):
+        assert torch.equal(fragment.read(), strategy.outer[p].global_params)
+    sent_last = make_strategy(build_model("nano", 256, 32), settings)
+    assert isinstance(sent_last, Strategy)
+    sent_last.send(0, 40)  # the schedule's own send at the last step carries all of fragment 0
+    sent_last.close(40)
+    assert sent_last.due(40) == [0] and sent_last.sends_after(40) == [1]
+
+
 def _progress(strategy: Strategy, seed: int) -> None:
     """Local training, as far as the strategy can tell: every fragment of the replica moves."""
     g = torch.Generator().manual_seed(seed)

@@ -138,6 +138,10 @@ class ReplicaStrategy:
     def due(self, step: int) -> list[int]:
         return []
 
+    def close(self, step: int) -> None:
+        """``step`` is the run's last (--final-sync): what an algorithm that syncs fragments does then
+        (``Strategy.close``); nothing for the others."""
+
     def largest_round(self) -> int:
         """Values averaged in the largest round this algorithm runs."""
         raise NotImplementedError
@@ -198,9 +202,26 @@ class Strategy(ReplicaStrategy):
         self.in_flight: dict[int, PendingSync] = {}
         self.codecs = codecs if codecs is not None else SyncCodecs(get_codec("fp32"))
         self.kept_share = 0.0  # ρ: the share of its deviation from θ̄_p the merge leaves in the replica
+        self.closed_at: int | None = None  # the run's last step, once ``close`` was called
+        self.final_sends: list[int] | None = None  # what ``close`` sends then, until sent
 
     def sends_after(self, step: int) -> list[int]:
+        if self.closed_at == step and self.final_sends is not None:
+            sends, self.final_sends = self.final_sends, None
+            return sends
         return self.schedule.select(step, self.in_flight.keys())
+
+    def close(self, step: int) -> None:
+        """``step`` is the run's last: every sync in flight is due now, and ``sends_after(step)``
+        then gives every fragment not sent after ``step`` itself, each sent with τ = 0 (a closing
+        round), so that θ̄ ends holding every replica's training instead of leaving out the steps
+        since each fragment's last sync. A fragment the schedule sent after ``step`` holds no
+        training that sync does not carry, so it is not sent again."""
+        for sync in self.in_flight.values():
+            sync.due_step = min(sync.due_step, step)
+        sent_now = {p for p, sync in self.in_flight.items() if sync.sent_step == step}
+        self.closed_at = step
+        self.final_sends = [p for p in range(len(self.fragments)) if p not in sent_now]
 
     def largest_round(self) -> int:
         return max(outer.global_params.numel() for outer in self.outer)
@@ -217,7 +238,8 @@ class Strategy(ReplicaStrategy):
         if p in self.in_flight:
             raise RuntimeError(f"fragment {p} is already in flight")
         snapshot = self.fragments[p].read()
-        due = step + self.schedule.overlap(self.overlap)
+        closing = self.closed_at == step  # a closing round (``close``) is applied at once: τ = 0
+        due = step if closing else step + self.schedule.overlap(self.overlap)
         self.in_flight[p] = PendingSync(snapshot, step, due, paced=self.schedule.bandwidth_paced())
         self.schedule.record_send(p, step)
         return snapshot

@@ -105,6 +105,11 @@ class TrainConfig:
     error_feedback: bool = opt(
         True, "a lossy codec's rounding and dropped values are added to the fragment's next outer gradient"
     )
+    final_sync: bool = opt(
+        False,
+        "after the last step, sync every fragment not sent then once more and apply it at once: θ̄ ends "
+        "holding all the training, not only what each fragment's last sync carried",
+    )
     # what the owner of a butterfly slice makes of its members' slices (docs/algorithms.md)
     aggregate: str = opt(
         "mean", "how each slice owner combines the members it keeps after screening", AGGREGATES

@@ -107,6 +107,7 @@ def shared_options(setup: TrainingSetup, settings: AlgoSettings) -> dict[str, An
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
         "codec": [cfg.wire_codec, cfg.paced_wire_codec, cfg.topk, cfg.error_feedback],
+        "final_sync": cfg.final_sync,
         "aggregation": asdict(cfg.aggregation()),
         "workers": cfg.workers,
         "data_shards": cfg.data_shards,

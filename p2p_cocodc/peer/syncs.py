@@ -350,6 +350,9 @@ class SwarmReplica:
     def due(self, step: int) -> list[int]:
         return self.strategy.due(step)
 
+    def final_sync(self, step: int) -> None:
+        self.strategy.close(step)
+
     def sends_after(self, step: int) -> list[int]:
         return [] if self.stop.is_set() else self.strategy.sends_after(step)
 

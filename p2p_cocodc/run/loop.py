@@ -9,6 +9,7 @@ clock: ``run/simulator.py``) and the peer (one replica, the swarm, the wall cloc
         read the losses of steps ≤ t-2; finite?   # else: "training diverged"
         loss = driver.train_step(t)               # every local replica (ddp: its gradient round)
         apply due results; [read every loss;] send; apply due results   (``algorithms/strategies.py``)
+        at the last step, with --final-sync: driver.final_sync(t), and the same again (closing rounds)
         driver.after_boundary(t)                  # joiners replayed, exclusions, state server
         evaluate θ̄ every --eval-every steps and at the end
         checkpoint when due
@@ -109,6 +110,9 @@ class Driver(Protocol):
 
     def due(self, step: int) -> list[int]: ...
 
+    def final_sync(self, step: int) -> None:
+        """``step`` is the run's last (--final-sync): every replica's ``strategy.close(step)``."""
+
     def sends_after(self, step: int) -> list[int]:
         """The fragments to send after ``step`` (none once a stop was asked for, for a driver that
         notices one during a step)."""
@@ -202,6 +206,9 @@ class ReplicaLoop:
                     self.unread.append((step, loss))
                 driver.step = step
                 await self._boundary(step)
+                if step == cfg.steps and cfg.final_sync:
+                    driver.final_sync(step)  # closing rounds: θ̄ ends holding all the training
+                    await self._boundary(step)
             except Rejoin as exc:
                 await driver.rejoin(exc)
                 self.progress.training(driver.step)

@@ -235,6 +235,10 @@ class Simulation:
     def due(self, step: int) -> list[int]:
         return self._agreed([w.strategy.due(step) for w in self.workers.values()], f"due at step {step}")
 
+    def final_sync(self, step: int) -> None:
+        for worker in self.workers.values():
+            worker.strategy.close(step)
+
     def sends_after(self, step: int) -> list[int]:
         choices = [w.strategy.sends_after(step) for w in self.workers.values()]
         return self._agreed(choices, f"to send at step {step}")
