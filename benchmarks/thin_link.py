@@ -406,16 +406,19 @@ def exchange_goodput(summary: dict[str, Any] | None, mbps: float) -> dict[str, A
     }
 
 
-def stall_shares(evals: list[dict[str, Any]], narrowed: dict | None, steps: int) -> dict[str, float]:
+def stall_shares(
+    evals: list[dict[str, Any]], narrowed: dict | None, steps: int, closing_s: float = 0.0
+) -> dict[str, float]:
     """A peer's stalled share of wall time from its evaluation records: before the links narrowed,
-    from then on, and over the run's last third (``whole`` without a narrowing)."""
+    from then on, and over the run's last third (``whole`` without a narrowing). ``closing_s``: the
+    closing rounds' time (--final-sync), in the last evaluation's wall time but after training."""
 
     def share(lo: int, hi: int) -> float:
         inside = [e for e in evals if lo <= e["step"] <= hi]
         if len(inside) < 2:
             return float("nan")
         first, last = inside[0], inside[-1]
-        wall = last["wall_time_s"] - first["wall_time_s"]
+        wall = last["wall_time_s"] - first["wall_time_s"] - (closing_s if last["step"] == steps else 0.0)
         return round((last["stall_s"] - first["stall_s"]) / wall, 3) if wall > 0 else float("nan")
 
     if narrowed is None:
@@ -548,7 +551,10 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
                     if summary
                     else max([e["step"] for e in evals] + [board.get(node.index, (0, 0))[1]]),
                     "stall_s": round((summary or (evals[-1] if evals else {})).get("stall_s", 0.0), 1),
-                    "stall_shares": stall_shares(evals, result.get("narrowed"), args.steps),
+                    "stall_shares": stall_shares(
+                        evals, result.get("narrowed"), args.steps, (summary or {}).get("final_sync_s") or 0.0
+                    ),
+                    "final_sync_s": (summary or {}).get("final_sync_s"),
                     "rounds_done": summary.get("rounds_done") if summary else None,
                     "rounds_failed": summary.get("rounds_failed") if summary else None,
                     "final_val_ppl": summary.get("final_val_ppl") if summary else None,
@@ -643,6 +649,10 @@ def report(result: dict[str, Any]) -> str:
         f"peer {p['peer']} " + ", ".join(f"{k} {v:.1%}" for k, v in p["stall_shares"].items())
         for p in result["peers"]
     ))  # fmt: skip
+    if any(p.get("final_sync_s") is not None for p in result["peers"]):
+        lines.append("closing rounds after the last step (--final-sync), s: " + ", ".join(
+            f"peer {p['peer']} {p['final_sync_s'] or 0:.1f}" for p in result["peers"]
+        ))  # fmt: skip
     lines.append("peer 0's rounds (sent after step: pace agreed, codec): " + ", ".join(
         f"{step}: {pace} {codec}" for step, pace, codec in result["rounds"]
     ))  # fmt: skip

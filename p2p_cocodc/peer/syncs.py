@@ -118,6 +118,7 @@ class SwarmReplica:
         self.train_started: float | None = None  # perf_counter when training began (after the wait)
         self.trained_s: float | None = None  # training_s when the run ended (before the last syncs)
         self.finish_s = 0.0  # how long the end waited for the syncs in flight and the last θ̄'s digests
+        self.final_sync_s: float | None = None  # --final-sync: the waits for the closing rounds, once begun
         self.val_ppl = NONE_YET  # the latest evaluation of θ̄
         self.versions = [0] * max(1, len(self.strategy.fragments))
         self.shard_index: int | None = None
@@ -351,6 +352,9 @@ class SwarmReplica:
         return self.strategy.due(step)
 
     def final_sync(self, step: int) -> None:
+        """Closing rounds: their waits are no stall of training, which has ended (``final_sync_s``)."""
+        self.trained_s = self.training_s()
+        self.final_sync_s = 0.0
         self.strategy.close(step)
 
     def sends_after(self, step: int) -> list[int]:
@@ -423,7 +427,10 @@ class SwarmReplica:
             await asyncio.wait({task, stopping, *self.presence.guards()}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopping.cancel()
-            self.stall_s += time.perf_counter() - waited
+            if self.final_sync_s is None:
+                self.stall_s += time.perf_counter() - waited
+            else:
+                self.final_sync_s += time.perf_counter() - waited
         self.presence.check()
         if not task.done():
             return False
@@ -614,6 +621,7 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         "sync_boundary_share": replica.boundary_s / max(replica.training_s(), 1e-9),
         "wall_time_s": time.perf_counter() - replica.train_started,
         "finish_s": replica.finish_s,
+        "final_sync_s": replica.final_sync_s,
         "step_time_s": replica.step_time_s,
         "tokens_per_s": replica.tokens_per_s(),
         "steps_trained": replica.steps_trained,  # fewer than the steps with --inner-share below 1

@@ -125,6 +125,7 @@ class Simulation:
         self.clock = 0.0
         self.measured_step_s = 0.0  # without --step-time: the last measured seconds of one replica's step
         self.stall_s = 0.0
+        self.closing = False  # after the last step, with --final-sync
         self.bytes_sent = 0
         self.pending: dict[int, PendingResult] = {}
         self.train_losses: list[float] = []  # since the last evaluation
@@ -236,6 +237,7 @@ class Simulation:
         return self._agreed([w.strategy.due(step) for w in self.workers.values()], f"due at step {step}")
 
     def final_sync(self, step: int) -> None:
+        self.closing = True  # the waits for the closing rounds are no stall of training
         for worker in self.workers.values():
             worker.strategy.close(step)
 
@@ -288,7 +290,7 @@ class Simulation:
 
     def _wait_until(self, t: float) -> None:
         if t > self.clock:
-            self.stall_s += t - self.clock
+            self.stall_s += 0.0 if self.closing else t - self.clock
             self.clock = t
 
     def _agreed(self, choices: list[list[int]], what: str) -> list[int]:
