@@ -71,6 +71,7 @@ def run_name(opts: dict) -> str:
         "codec",
         "topk",
         "no-error-feedback",
+        "no-final-sync",
         "data",
         "seed",
     ]

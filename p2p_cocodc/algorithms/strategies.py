@@ -202,6 +202,7 @@ class Strategy(ReplicaStrategy):
         self.in_flight: dict[int, PendingSync] = {}
         self.codecs = codecs if codecs is not None else SyncCodecs(get_codec("fp32"))
         self.kept_share = 0.0  # ρ: the share of its deviation from θ̄_p the merge leaves in the replica
+        self.sent_after: dict[int, int] = {}  # fragment -> the step it was last sent after, in this process
         self.closed_at: int | None = None  # the run's last step, once ``close`` was called
         self.final_sends: list[int] | None = None  # what ``close`` sends then, until sent
 
@@ -217,9 +218,11 @@ class Strategy(ReplicaStrategy):
         round), so that θ̄ ends holding every replica's training instead of leaving out the steps
         since each fragment's last sync. A fragment the schedule sent after ``step`` holds no
         training that sync does not carry, so it is not sent again."""
-        for sync in self.in_flight.values():
+        sent_now = {p for p, sent in self.sent_after.items() if sent == step}
+        for p, sync in self.in_flight.items():
             sync.due_step = min(sync.due_step, step)
-        sent_now = {p for p, sync in self.in_flight.items() if sync.sent_step == step}
+            if sync.sent_step == step:  # a sync a joiner took over with the state counts too
+                sent_now.add(p)
         self.closed_at = step
         self.final_sends = [p for p in range(len(self.fragments)) if p not in sent_now]
 
@@ -241,6 +244,7 @@ class Strategy(ReplicaStrategy):
         closing = self.closed_at == step  # a closing round (``close``) is applied at once: τ = 0
         due = step if closing else step + self.schedule.overlap(self.overlap)
         self.in_flight[p] = PendingSync(snapshot, step, due, paced=self.schedule.bandwidth_paced())
+        self.sent_after[p] = step
         self.schedule.record_send(p, step)
         return snapshot
 

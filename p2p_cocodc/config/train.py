@@ -106,7 +106,7 @@ class TrainConfig:
         True, "a lossy codec's rounding and dropped values are added to the fragment's next outer gradient"
     )
     final_sync: bool = opt(
-        False,
+        True,
         "after the last step, sync every fragment not sent then once more and apply it at once: θ̄ ends "
         "holding all the training, not only what each fragment's last sync carried",
     )

@@ -387,9 +387,13 @@ class Simulation:
         abandon it on every replica where the replayed swarm's round failed."""
         result = self.pending.pop(p)
         if result.round_id:
+            closing = (
+                " (a run without closing rounds: replay it with --no-final-sync)" if self.closing else ""
+            )
             raise UserError(
                 f"--events {self.cfg.events} has no record of round {result.round_id}, which this run "
                 f"applies at step {step}: replay the --out of a peer that took part in the whole run"
+                + closing
             )
         self._wait_until(result.arrives_at)
         for w in self.workers.values():
