@@ -269,7 +269,7 @@ def test_honest_outer_gradients_are_never_screened_and_the_mean_is_unchanged(
     # anti-correlated residues in honest outer gradients, so their cosine margin is thin early in a
     # run this small (docs/algorithms.md measures both; the docs' table has the damped figures)
     rounds = captured_rounds(monkeypatch, replace(SIM, codec=codec, dc_alpha=0.0, dc_lambda=0.5))
-    assert len(rounds) == 8  # 32 steps, H = 8, K = 2
+    assert len(rounds) == 9  # 32 steps, H = 8, K = 2: 8 sends, and the closing round of the other fragment
     c = CODECS[codec]
     default = Aggregation()
     worst_ratio, worst_cosine = 0.0, 1.0
@@ -316,7 +316,7 @@ def test_the_simulator_leaves_out_an_attacking_worker_and_records_it(
     screened = attacked_run(replace(three, out=str(tmp_path / "run.jsonl")), monkeypatch)
     records = read_records(tmp_path / "run.jsonl")
     exclusions = [r for r in records if r["kind"] == "exclusion"]
-    assert len(exclusions) == 8 and all(r["excluded"] == [2] for r in exclusions)
+    assert len(exclusions) == 9 and all(r["excluded"] == [2] for r in exclusions)  # the closing round's too
     assert exclusions[0] == {"kind": "exclusion", "round": "f0:4", "step": 4, "excluded": [2]}
     assert [r["kind"] for r in records].count("eval") == 3 and records[-1]["kind"] == "summary"
     # unscreened, the attacker ruins θ̄; screened, θ̄ trains as the clean run does
@@ -330,13 +330,14 @@ def test_a_sign_flipped_worker_is_left_out_of_every_round_from_the_first(
     monkeypatch: pytest.MonkeyPatch, tmp_path, codec: str
 ) -> None:
     """The cosine test alone (a flipped outer gradient has an honest norm), on cocodc's damped
-    default: left out of all 8 rounds, the first judged by its one slice at each owner; with a top-k
+    default: left out of all 9 rounds (8 sends and a closing round), the first judged by its one
+    slice at each owner; with a top-k
     codec too, whose members' slices are sparse (each owner compares what arrives, decoded: zeros
     where a member sent nothing)."""
     out = tmp_path / "flip.jsonl"
     attacked_run(replace(SIM, workers=3, codec=codec, out=str(out)), monkeypatch, factor=-1.0)
     exclusions = [r for r in read_records(out) if r["kind"] == "exclusion"]
-    assert [r["excluded"] for r in exclusions] == [[2]] * 8 and exclusions[0]["round"] == "f0:4"
+    assert [r["excluded"] for r in exclusions] == [[2]] * 9 and exclusions[0]["round"] == "f0:4"
 
 
 def test_a_long_clean_run_leaves_no_honest_member_out(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -355,7 +356,9 @@ def test_a_long_clean_run_leaves_no_honest_member_out(monkeypatch: pytest.Monkey
     out = tmp_path / "long.jsonl"
     options = {**TINY_FIELDS, "workers": 4, "steps": 384, "eval_every": 384, "out": str(out)}
     Simulation(TrainConfig(**options).validate()).run(RunLog(str(out)))
-    assert len(cosines) == 96 * 4 * 4  # 96 rounds (2 fragments, every 8 steps) × 4 slices × 4 members
+    assert (
+        len(cosines) == 97 * 4 * 4
+    )  # 96 sends (2 fragments, every 8 steps) and a closing round × 4 slices × 4 members
     assert min(cosines) < -0.3  # a slice the per-slice test leaves out
     assert [r for r in read_records(out) if r["kind"] == "exclusion"] == []
 

@@ -36,15 +36,15 @@ from tests.tiny_options import TINY
 
 
 @pytest.mark.parametrize(
-    ("algo", "codec", "shares", "final"),
-    [("streaming", "topk2", "1", []), ("cocodc", "fp32", "1,1,0.5", ["--final-sync"])],
+    ("algo", "codec", "shares", "ending"),
+    [("streaming", "topk2", "1", ["--no-final-sync"]), ("cocodc", "fp32", "1,1,0.5", [])],
 )
 def test_three_peers_equal_the_simulator(
-    tmp_path: Path, algo: str, codec: str, shares: str, final: list[str]
+    tmp_path: Path, algo: str, codec: str, shares: str, ending: list[str]
 ) -> None:
-    """Streaming with a top-k codec and error feedback; cocodc lossless with uneven regions (peer 2
-    trains half the steps, --inner-share 0.5, the simulator's worker 2 likewise) and closing rounds
-    after the last step (--final-sync): the same θ̄ as the simulator."""
+    """Streaming with a top-k codec and error feedback, ending without closing rounds; cocodc
+    lossless with uneven regions (peer 2 trains half the steps, --inner-share 0.5, the simulator's
+    worker 2 likewise) and closing rounds after the last step: the same θ̄ as the simulator."""
     share = shares.split(",") * 3 if "," not in shares else shares.split(",")
     boot = start_bootstrap(tmp_path)
     peers = []
@@ -57,7 +57,7 @@ def test_three_peers_equal_the_simulator(
                 args += ["--shard", f"{i}/3"]
             args += ["--out", f"peer{i}.jsonl", "--save", f"peer{i}-model", "--run-id", f"t-{algo}"]
             args += ["--verbose", "--pace", "fixed"]  # the simulator's timetable, however loaded this machine
-            args += ["--inner-share", share[i], *final]
+            args += ["--inner-share", share[i], *ending]
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
         sim = run_cli(
             [
@@ -73,7 +73,7 @@ def test_three_peers_equal_the_simulator(
                 "sim-model",
                 "--inner-share",
                 shares,
-                *final,
+                *ending,
             ],
             tmp_path,
             timeout=120,
@@ -125,9 +125,9 @@ def test_three_peers_equal_the_simulator(
 
     rounds = [r for r in records(tmp_path / "peer0.jsonl") if r["kind"] == "round"]
     closing = sorted(r["round"] for r in rounds if r["round"].endswith(":32"))
-    # --final-sync: each fragment not sent after step 32 syncs once more then, applied at once
+    # closing rounds: each fragment not sent after step 32 syncs once more then, applied at once
     assert all(r["step"] == 32 for r in rounds if r["round"].endswith(":32"))
-    assert closing == (["f0:32", "f1:32"] if final else [])
+    assert closing == ([] if ending else ["f0:32", "f1:32"])
     evals = [r for r in records(tmp_path / "peer0.jsonl") if r["kind"] == "eval"]
     assert [e["step"] for e in evals] == [0, 8, 16, 24, 32]
     assert all("wall_time_s" in e and "sim_time_s" not in e for e in evals)

@@ -542,36 +542,14 @@ class SwarmReplica:
         return self.strategy.global_state()
 
     async def finish(self, stopping: bool) -> None:
-        """Let the syncs still running finish (the other peers need our slices); apply none of
-        them, as the simulator's run ends with them unapplied. Stopped by a signal, the other peers
-        are likely stopping too: wait only briefly."""
+        """Let the syncs still running finish (the other peers need our slices; after closing
+        rounds none is left); apply none of them, as the simulator's run ends with them unapplied.
+        Stopped by a signal, the other peers are likely stopping too: wait only briefly."""
         if self.train_started is not None:
             self.trained_s = self.training_s()
         started = time.perf_counter()
-        await self._finish_syncs(stopping)
+        await finish_syncs(self, stopping)
         self.finish_s = time.perf_counter() - started
-
-    async def _finish_syncs(self, stopping: bool) -> None:
-        timeout = STOP_GRACE_S if stopping else self.round_timeout_s * 2
-        if self.pending:
-            await asyncio.wait(self.pending.values(), timeout=timeout)
-        for task in self.pending.values():
-            if not task.done():
-                task.cancel()
-            elif not task.cancelled() and task.exception() is not None:
-                log.info("a final sync failed: %s", task.exception())
-        self.pending.clear()
-        if not stopping and self.step == self.cfg.steps:  # the last θ̄ compared with every peer's
-            assert self.presence is not None
-            missing = await self.presence.agree_at(self.step, self.round_timeout_s)
-            if missing:
-                log.warning(
-                    "θ̄ after the last step %d could not be compared with %s: no digest of it came within "
-                    "%.0f s (--round-timeout)",
-                    self.step,
-                    ", ".join(p[:12] for p in missing),
-                    self.round_timeout_s,
-                )
 
     def unfinished(self, failure: str | None) -> str | None:
         """Why this peer's θ̄ is not a finished run's (its --save goes to a partial folder), if it is not."""
@@ -586,6 +564,31 @@ class SwarmReplica:
 
     def summary_fields(self, failure: str | None) -> dict[str, Any]:
         return peer_summary(self, failure)
+
+
+async def finish_syncs(replica: SwarmReplica, stopping: bool) -> None:
+    """The end of ``SwarmReplica.finish``: the syncs in flight awaited (briefly when stopping), and
+    after the last step the last θ̄ compared with every peer's."""
+    timeout = STOP_GRACE_S if stopping else replica.round_timeout_s * 2
+    if replica.pending:
+        await asyncio.wait(replica.pending.values(), timeout=timeout)
+    for task in replica.pending.values():
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is not None:
+            log.info("a final sync failed: %s", task.exception())
+    replica.pending.clear()
+    if not stopping and replica.step == replica.cfg.steps:  # the last θ̄ compared with every peer's
+        assert replica.presence is not None
+        missing = await replica.presence.agree_at(replica.step, replica.round_timeout_s)
+        if missing:
+            log.warning(
+                "θ̄ after the last step %d could not be compared with %s: no digest of it came within "
+                "%.0f s (--round-timeout)",
+                replica.step,
+                ", ".join(p[:12] for p in missing),
+                replica.round_timeout_s,
+            )
 
 
 def failure_at_end(replica: SwarmReplica, failure: str | None) -> str | None:
