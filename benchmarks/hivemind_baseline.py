@@ -632,9 +632,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--paced-codec", default=None, help="our peers' --paced-codec (default: theirs, auto)"
     )
-    parser.add_argument(
-        "--final-sync", action="store_true", help="our peers sync every fragment after the last step"
-    )
+    parser.add_argument("--no-final-sync", action="store_true", help="our peers end without closing rounds")
     parser.add_argument("--overlap", default="auto", help="our peers' --overlap")
     parser.add_argument("--transmissions", default="auto", help="our peers' --transmissions")
     parser.add_argument(

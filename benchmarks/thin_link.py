@@ -136,7 +136,7 @@ def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
     ] + (["--codec", args.codec] if args.codec else []) + (
         ["--paced-codec", args.paced_codec] if args.paced_codec else []
     ) + (["--data", args.data] if args.data else []) + (
-        ["--final-sync"] if args.final_sync else []
+        ["--no-final-sync"] if args.no_final_sync else []
     )  # fmt: skip
 
 
@@ -679,9 +679,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--algo", default="cocodc")
     parser.add_argument("--data", help="the peers' --data (default: theirs, the embedded corpus)")
     parser.add_argument("--codec", default=None, help="the peers' --codec (default: theirs, fp4)")
-    parser.add_argument(
-        "--final-sync", action="store_true", help="the peers sync every fragment after the last step"
-    )
+    parser.add_argument("--no-final-sync", action="store_true", help="the peers end without closing rounds")
     parser.add_argument(
         "--paced-codec", default=None, help="the peers' --paced-codec (default: theirs, auto: q2 while paced)"
     )

@@ -732,7 +732,7 @@ def test_the_benchmarks_start_peers_with_options_that_join_accepts(tmp_path: Pat
 
     link = thin_link.arguments(["--profile", "thin", "--overlap", "auto", "--paced-codec", "same"])
     argvs = [["--bootstrap", "10.0.0.1:1", *thin_link.training_options(link, link.mbps[0])]]
-    baseline = hivemind_baseline.arguments(["--profile", "thin", "--paced-codec", "q2"])
+    baseline = hivemind_baseline.arguments(["--profile", "thin", "--paced-codec", "q2", "--no-final-sync"])
     where = hivemind_baseline.Placement(("ns", "10.0.0.9"), [("ns", f"10.0.0.{i}") for i in range(3)])
     _, _, peers = hivemind_baseline.commands("ours", baseline, where, tmp_path, 2.0, 96)
     argvs += [argv[argv.index("join") + 1 :] for argv, _ in peers]
@@ -747,3 +747,4 @@ def test_the_benchmarks_start_peers_with_options_that_join_accepts(tmp_path: Pat
         sync_codecs(get_codec(cfg.wire_codec, cfg.topk), cfg.paced_wire_codec, cfg.topk, cfg.error_feedback)
     assert argvs[0][argvs[0].index("--paced-codec") + 1] == "same"
     assert argvs[-1][argvs[-1].index("--paced-codec") + 1] == "q2"
+    assert "--no-final-sync" in argvs[-1] and "--no-final-sync" not in argvs[0]
