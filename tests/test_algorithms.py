@@ -516,19 +516,19 @@ def test_closing_the_run_syncs_every_fragment_not_sent_at_the_last_step_and_appl
     strategy.close(40)
     assert strategy.due(40) == [1]
     strategy.apply(1, strategy.outer[1].global_params - strategy.in_flight[1].snapshot, 40)
-    assert strategy.sends_after(40) == [0, 1]
-    for p in (0, 1):
+    for p in (0, 1):  # one at a time, each applied at once (τ = 0) before the next is sent
+        assert strategy.sends_after(40) == [p]
         strategy.send(p, 40)
-    assert strategy.due(40) == [0, 1]  # τ = 0
-    for p in (0, 1):
+        assert strategy.due(40) == [p]
         strategy.apply(p, strategy.outer[p].global_params - strategy.in_flight[p].snapshot, 40)
+    assert strategy.sends_after(40) == []  # and then none, whatever the schedule would send
     for p, fragment in enumerate(strategy.fragments):
         assert torch.equal(fragment.read(), strategy.outer[p].global_params)
     sent_last = make_strategy(build_model("nano", 256, 32), settings)
     assert isinstance(sent_last, Strategy)
     sent_last.send(0, 40)  # the schedule's own send at the last step carries all of fragment 0
     sent_last.close(40)
-    assert sent_last.due(40) == [0] and sent_last.sends_after(40) == [1]
+    assert sent_last.due(40) == [0] and sent_last.sends_after(40) == [1] and sent_last.sends_after(40) == []
 
 
 def _progress(strategy: Strategy, seed: int) -> None:

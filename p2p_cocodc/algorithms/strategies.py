@@ -204,20 +204,20 @@ class Strategy(ReplicaStrategy):
         self.kept_share = 0.0  # ρ: the share of its deviation from θ̄_p the merge leaves in the replica
         self.sent_after: dict[int, int] = {}  # fragment -> the step it was last sent after, in this process
         self.closed_at: int | None = None  # the run's last step, once ``close`` was called
-        self.final_sends: list[int] | None = None  # what ``close`` sends then, until sent
+        self.final_sends: list[int] = []  # what ``close`` has left to send at the last step
 
     def sends_after(self, step: int) -> list[int]:
-        if self.closed_at == step and self.final_sends is not None:
-            sends, self.final_sends = self.final_sends, None
-            return sends
+        if self.closed_at == step:  # closing rounds, one at a time: each is applied before the next
+            return [self.final_sends.pop(0)] if self.final_sends else []
         return self.schedule.select(step, self.in_flight.keys())
 
     def close(self, step: int) -> None:
         """``step`` is the run's last: every sync in flight is due now, and ``sends_after(step)``
-        then gives every fragment not sent after ``step`` itself, each sent with τ = 0 (a closing
-        round), so that θ̄ ends holding every replica's training instead of leaving out the steps
-        since each fragment's last sync. A fragment the schedule sent after ``step`` holds no
-        training that sync does not carry, so it is not sent again."""
+        then gives, one per call, every fragment not sent after ``step`` itself, each sent with τ = 0
+        (a closing round), so that θ̄ ends holding every replica's training instead of leaving out
+        the steps since each fragment's last sync. A fragment the schedule sent after ``step``
+        holds no training that sync does not carry, so it is not sent again. One at a time: a paced
+        link carries one round at once, and a round's deadlines assume the link is its own."""
         sent_now = {p for p, sent in self.sent_after.items() if sent == step}
         for p, sync in self.in_flight.items():
             sync.due_step = min(sync.due_step, step)

@@ -9,7 +9,8 @@ clock: ``run/simulator.py``) and the peer (one replica, the swarm, the wall cloc
         read the losses of steps ≤ t-2; finite?   # else: "training diverged"
         loss = driver.train_step(t)               # every local replica (ddp: its gradient round)
         apply due results; [read every loss;] send; apply due results   (``algorithms/strategies.py``)
-        at the last step, with --final-sync: driver.final_sync(t), and the same again (closing rounds)
+        at the last step, with --final-sync: driver.final_sync(t), then apply/send/apply again
+        until no closing round is left (one fragment each)
         driver.after_boundary(t)                  # joiners replayed, exclusions, state server
         evaluate θ̄ every --eval-every steps and at the end
         checkpoint when due
@@ -207,8 +208,9 @@ class ReplicaLoop:
                 driver.step = step
                 await self._boundary(step)
                 if step == cfg.steps and cfg.final_sync:
-                    driver.final_sync(step)  # closing rounds: θ̄ ends holding all the training
-                    await self._boundary(step)
+                    driver.final_sync(step)  # closing rounds: θ̄ ends holding all the training,
+                    while await self._boundary(step):  # one at a time, as a paced link carries them
+                        pass
             except Rejoin as exc:
                 await driver.rejoin(exc)
                 self.progress.training(driver.step)
@@ -232,17 +234,18 @@ class ReplicaLoop:
             evals = self.records.evals()
         return self._summary(evals[0], evals[-1], failure)
 
-    async def _boundary(self, step: int) -> None:
+    async def _boundary(self, step: int) -> bool:
         """Between two steps: results due now are applied, the schedule's sends start, and a result
-        due at once (τ = 0) is applied too (a wait a stop interrupted ends it)."""
+        due at once (τ = 0) is applied too (a wait a stop interrupted ends it). True if it sent any,
+        and no stop interrupted it."""
         if not await self._apply_due(step):
-            return
+            return False
         sends = self.driver.sends_after(step)
         if sends:
             await self._read_losses()
         for p in sends:
             self.driver.send(p, step)
-        await self._apply_due(step)
+        return await self._apply_due(step) and bool(sends)
 
     async def _apply_due(self, step: int) -> bool:
         for p in self.driver.due(step):
