@@ -18,20 +18,16 @@ the same model and steps. Runs go to ``--runs-dir`` (finished ones are reused); 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-from pathlib import Path
 
-from convergence import COMMON, ROOT, run_all, run_name, summarize
+from convergence import CHOOSE_ON, COMMON, JUDGE_ON, ROOT, run_rows, study_arguments, study_parser
 
 from p2p_cocodc.algorithms.codecs import get_codec
 from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.names import DEFAULT_CODEC
 from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes
 
-CHOOSE_ON = "builtin:sotu-before-1900"
-JUDGE_ON = ("builtin:sotu-from-1900", "builtin:web-bible")
 BAR = 1.01  # at most 1 % above fp32's perplexity
 CANDIDATES = {  # label -> options; every lossy one with error feedback (the default) but where named
     "fp32": {"codec": "fp32"},
@@ -93,20 +89,11 @@ def fewer_sends_section(sends: dict[str, dict], reference: dict, ddp: float) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "codecs")
-    args = parser.parse_args()
-    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    args = study_arguments(study_parser(__doc__, "codecs"))
 
     def rows(candidates: dict[str, dict], data: str) -> dict[str, dict]:
         wanted = {label: configs(opts, data, args.seeds) for label, opts in candidates.items()}
-        run_all([c for cs in wanted.values() for c in cs], args.runs_dir, args.jobs)
-        return {
-            label: summarize([args.runs_dir / f"{run_name(c)}.jsonl" for c in cs])
-            for label, cs in wanted.items()
-        }
+        return run_rows(wanted, args.runs_dir, args.jobs)
 
     ddp = ddp_bytes()
     chosen_rows = rows(CANDIDATES, CHOOSE_ON)

@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from p2p_cocodc.ops.compare import crossing, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 H, K = 48, 4
+# the corpus a study's defaults are chosen on, and those they are judged on (issue 21, part 5)
+CHOOSE_ON = "builtin:sotu-before-1900"
+JUDGE_ON = ("builtin:sotu-from-1900", "builtin:web-bible")
 COMMON = {
     "model": "micro",
     "workers": 4,
@@ -101,8 +105,8 @@ def run_all(configs: list[dict], runs_dir: Path, jobs: int) -> list[Path]:
         return list(pool.map(lambda o: run_sim(o, runs_dir), configs))
 
 
-def run_rows(rows: dict[str, list[dict]], runs_dir: Path, jobs: int) -> dict[str, dict]:
-    """Run every row's configs (all rows share the pool) and summarize each row."""
+def run_rows(rows: dict[Hashable, list[dict]], runs_dir: Path, jobs: int) -> dict[Hashable, dict]:
+    """Run every row's configs (all rows share the pool) and summarize each row, by its key."""
     paths = iter(run_all([c for configs in rows.values() for c in configs], runs_dir, jobs))
     return {label: summarize([next(paths) for _ in configs]) for label, configs in rows.items()}
 
@@ -410,14 +414,27 @@ def plot_curves(stats: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=("all", "tune", "grid", "report", "bar-b"), default="all")
+def study_parser(doc: str, runs: str) -> argparse.ArgumentParser:
+    """The options of every study on this benchmark's setting (this one, ``codecs.py``,
+    ``final_sync.py``): --jobs, --seeds and --runs-dir (default runs/RUNS)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "convergence")
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / runs)
+    return parser
+
+
+def study_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser``'s options from the command line, the runs' folder made."""
     args = parser.parse_args()
     args.runs_dir.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main() -> None:
+    parser = study_parser(__doc__, "convergence")
+    parser.add_argument("--stage", choices=("all", "tune", "grid", "report", "bar-b"), default="all")
+    args = study_arguments(parser)
     tuned_file = args.runs_dir / "tuned.json"
     if args.stage in ("all", "tune") or not tuned_file.exists():
         tuned = tune(args.runs_dir, args.jobs)

@@ -14,26 +14,13 @@ seeds 0-2, cocodc; streaming on the first corpus as a second algorithm. Runs go 
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
+from convergence import CHOOSE_ON, JUDGE_ON, run_rows, study_arguments, study_parser
 
-from convergence import ROOT, run_all, run_name, summarize
-
-sys.path.insert(0, str(ROOT))
-
-CHOOSE_ON = "builtin:sotu-before-1900"
-JUDGE_ON = ("builtin:sotu-from-1900", "builtin:web-bible")
 ENDS = {"closing rounds (default)": {}, "none (--no-final-sync)": {"no-final-sync": True}}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "final_sync")
-    args = parser.parse_args()
-    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    args = study_arguments(study_parser(__doc__, "final_sync"))
     cases = [("cocodc", data) for data in (CHOOSE_ON, *JUDGE_ON)] + [("streaming", CHOOSE_ON)]
     wanted = {
         (algo, data, end): [
@@ -42,11 +29,7 @@ def main() -> None:
         for algo, data in cases
         for end, opts in ENDS.items()
     }
-    run_all([c for configs in wanted.values() for c in configs], args.runs_dir, args.jobs)
-    rows = {
-        key: summarize([args.runs_dir / f"{run_name(c)}.jsonl" for c in configs])
-        for key, configs in wanted.items()
-    }
+    rows = run_rows(wanted, args.runs_dir, args.jobs)
     seeds = " ".join(map(str, args.seeds))
     print(f"`python benchmarks/final_sync.py --jobs {args.jobs} --seeds {seeds}`\n")
     print("| algo | data | end of the run | final val ppl per seed | mean | vs none | MB sent / worker |")
