@@ -204,31 +204,22 @@ def start_bootstrap(
     extra: Sequence[str] = (),
     ports: tuple[int, int] | None = None,
 ) -> Bootstrap:
-    """``ports``: its libp2p and status ports (default: free ones; picked again, up to 3 times, if
-    another process binds one between the pick and the bootstrap's own bind)."""
-    for attempt in range(3):
-        port, status_port = ports or free_ports(2)
-        argv = ["bootstrap", "--host", host, "--port", str(port), "--status-port", str(status_port)]
-        argv += ["--identity", str(cwd / "bootstrap.id"), "--address-file", str(cwd / "bootstrap.json")]
-        proc = spawn([*argv, *extra], cwd, "bootstrap.log", prefix)
-        info = address_when_ready(proc, cwd)
-        if isinstance(info, dict):
-            return Bootstrap(proc, info["maddrs"][0], f"{host}:{status_port}")
-        if ports is not None or attempt == 2 or "address already in use" not in info:
-            pytest.fail(f"bootstrap exited: {info}")
-    raise AssertionError("unreachable")
-
-
-def address_when_ready(proc: subprocess.Popen, cwd: Path) -> dict | str:
-    """A bootstrap's address file once it is written, or its log's tail if it exited first."""
+    """``ports``: its libp2p and status ports (default: 0, so the bootstrap binds free ones itself,
+    with no window in which another process may take a port picked for it; its address file says
+    which)."""
+    port, status_port = ports or (0, 0)
+    argv = ["bootstrap", "--host", host, "--port", str(port), "--status-port", str(status_port)]
+    argv += ["--identity", str(cwd / "bootstrap.id"), "--address-file", str(cwd / "bootstrap.json")]
+    proc = spawn([*argv, *extra], cwd, "bootstrap.log", prefix)
     address = cwd / "bootstrap.json"
 
-    def ready() -> dict | str | None:
+    def ready() -> dict | None:
         if proc.poll() is not None:
-            return (cwd / "bootstrap.log").read_text()[-2000:] or "(an empty log)"
+            pytest.fail(f"bootstrap exited: {(cwd / 'bootstrap.log').read_text()[-2000:]}")
         return json.loads(address.read_text()) if address.exists() else None
 
-    return wait_for(ready, 60, "the bootstrap's address file")
+    info = wait_for(ready, 60, "the bootstrap's address file")
+    return Bootstrap(proc, info["maddrs"][0], info["join"])
 
 
 def train_swarm(workdir: Path, options: list[str], own: list[list[str]], timeout: float) -> list[dict]:
