@@ -427,6 +427,15 @@ def stall_shares(
     return {"before": share(0, at), "after": share(at, steps), "last_third": share(steps * 2 // 3, steps)}
 
 
+def reached(evals: list[dict[str, Any]], levels: list[float]) -> dict[str, float | None]:
+    """The wall time (s since the peer's training started) of its first evaluation of θ̄ at or below
+    each perplexity of ``levels`` (None: never), for runs compared by time to a perplexity."""
+    return {
+        f"{level:g}": next((e["wall_time_s"] for e in evals if e["val_ppl"] <= level), None)
+        for level in levels
+    }
+
+
 def notable(log: Path) -> list[str]:
     """Warning and error lines of a peer's log (hivemind's and ours), without repeats of one text."""
     seen, kept = set(), []
@@ -555,6 +564,8 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
                         evals, result.get("narrowed"), args.steps, (summary or {}).get("final_sync_s") or 0.0
                     ),
                     "final_sync_s": (summary or {}).get("final_sync_s"),
+                    "sync_landing_s": (summary or {}).get("sync_landing_s") or {},
+                    "reached": reached(evals, args.reach),
                     "rounds_done": summary.get("rounds_done") if summary else None,
                     "rounds_failed": summary.get("rounds_failed") if summary else None,
                     "final_val_ppl": summary.get("final_val_ppl") if summary else None,
@@ -653,6 +664,16 @@ def report(result: dict[str, Any]) -> str:
         lines.append("closing rounds after the last step (--final-sync), s: " + ", ".join(
             f"peer {p['peer']} {p['final_sync_s'] or 0:.1f}" for p in result["peers"]
         ))  # fmt: skip
+    if any(p["sync_landing_s"] for p in result["peers"]):
+        lines.append("syncs' landing time (send to result, the wait for the others left out), median of the "
+                     "last 8, s: " + ", ".join(
+            f"peer {p['peer']} " + " ".join(f"{c} {v:.2f}" for c, v in p["sync_landing_s"].items())
+            for p in result["peers"]
+        ))  # fmt: skip
+    if result["peers"] and (first := result["peers"][0]["reached"]):
+        lines.append("peer 0's θ̄ first evaluated at or below (--reach), wall s: " + ", ".join(
+            f"ppl {level}: {'never' if t is None else f'{t:.1f}'}" for level, t in first.items()
+        ))  # fmt: skip
     lines.append("peer 0's rounds (sent after step: pace agreed, codec): " + ", ".join(
         f"{step}: {pace} {codec}" for step, pace, codec in result["rounds"]
     ))  # fmt: skip
@@ -691,6 +712,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--transmissions", help="the peers' --transmissions (a number, or auto; default K)")
     parser.add_argument("--queue-ms", type=float, default=50.0, help="tbf latency: longest wait in a queue")
     parser.add_argument("--tail", type=int, default=8, help="last log lines to report per peer")
+    parser.add_argument(
+        "--reach",
+        type=float,
+        nargs="*",
+        default=[],
+        help="perplexities: report when peer 0's θ̄ was first evaluated at or below each (wall s)",
+    )
     parser.add_argument("--no-verbose", dest="verbose", action="store_false", help="join without --verbose")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each rate")

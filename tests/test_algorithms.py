@@ -16,6 +16,7 @@ from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings
 from p2p_cocodc.algorithms.schedules import (
     AdaptiveSchedule,
     FixedSchedule,
+    RoundCost,
     delta_rms,
     paced_codec_spacing,
     paced_spacing,
@@ -234,6 +235,23 @@ def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> Non
     assert paced_spacing(24, 48, 1.4, 0.1, current=30, overlap=19) == 24  # 19.6 ≤ 20
 
 
+def test_the_paced_spacing_gives_a_sync_the_steps_it_takes_to_land() -> None:
+    """A fast link (no busy time to speak of) whose syncs take D = 0.5 s from send to result: at
+    ⌊H/N⌋ = 1 with τ = 1 and steps of 0.2 s, they land 2.5 steps late. The spacing h gives a paced
+    sync h − 1 steps, so h ≥ 1.25 · D / s + 1 (``docs/thin-link.md``: `region` stalled 16–28 %)."""
+    assert paced_spacing(1, 48, 0.01, 0.2, overlap=1) == 1  # D not measured yet: the link alone
+    assert paced_spacing(1, 48, 0.01, 0.2, overlap=1, landing_s=0.5) == 5  # 1.25 · 2.5 + 1 = 4.1
+    assert paced_spacing(1, 48, 0.0, 0.2, overlap=1, landing_s=0.5) == 5  # no bulk delivery timed
+    assert paced_spacing(1, 48, 0.01, 0.2, overlap=4, landing_s=0.5) == 1  # τ = 4 steps ≥ 3.1
+    # the link's own need still counts where it is the larger one: 1.25 · 3 s = 37.5 steps
+    assert paced_spacing(24, 48, 3.0, 0.1, overlap=23, landing_s=2.0) == 42  # 1.25 · 20 + 1 = 26
+    assert paced_spacing(24, 48, 3.0, 0.1, overlap=23, landing_s=3.6) == 48  # 1.25 · 36 + 1 = 46
+    # narrowing takes 1.4×, as for the link: 1.4 · 2.5 + 1 = 4.5 steps
+    assert paced_spacing(1, 48, 0.01, 0.2, current=6, overlap=1, landing_s=0.5) == 5
+    assert paced_spacing(1, 48, 0.01, 0.2, current=6, overlap=1, landing_s=0.5, settled=False) == 6
+    assert paced_spacing(1, 48, 0.01, 0.2, current=4, overlap=1, landing_s=0.5) == 5  # wider at once
+
+
 def test_with_a_paced_codec_the_spacing_says_which_codec_a_link_keeps_up_with() -> None:
     """--paced-codec (a coarser codec's round takes half the steady one's link time here): ⌊H/N⌋ =
     24 of H = 48, q = 6, a step of 0.1 s. The steady codec at ⌊H/N⌋ while its rounds fit there, or
@@ -243,7 +261,9 @@ def test_with_a_paced_codec_the_spacing_says_which_codec_a_link_keeps_up_with() 
 
     def wish(steady_busy: float, current: int = 24, settled: bool = True, overlap: int = 23) -> int:
         coarse_busy = steady_busy / 2
-        return paced_codec_spacing(24, 48, steady_busy, coarse_busy, 0.1, current, settled, overlap)
+        return paced_codec_spacing(
+            24, 48, RoundCost(steady_busy), RoundCost(coarse_busy), 0.1, current, settled, overlap
+        )
 
     assert wish(1.6) == 24  # the steady codec: 1.25 · 1.6 s = 20 steps
     assert wish(1.6, overlap=12) == 30  # steady, paced by a grain: 20 steps > τ + 1 = 13

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from p2p_cocodc.algorithms.butterfly import butterfly_mean, slice_bounds
-from p2p_cocodc.algorithms.codecs import CODECS, get_codec
+from p2p_cocodc.algorithms.codecs import CODECS, Codec, get_codec
 from p2p_cocodc.swarm import exchange as exchange_module
 from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
 from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, Part, parse_members, parse_message
@@ -413,3 +413,24 @@ def test_the_link_meter_counts_overlapping_deliveries_once_per_round() -> None:
     for i in range(exchange_module.LINK_WINDOW):  # old deliveries leave the window
         meter.record(20 + i, 20.5 + i, f"r{i}", "fp4")
     assert meter.busy_per_round_s("fp4") == pytest.approx(0.5) and meter.busy_per_round_s("q2") == 0.0
+
+
+def test_the_link_meter_times_a_sync_from_its_send_to_its_result() -> None:
+    """A sync's landing time (``paced_spacing``'s D): the median of the last ``LANDING_WINDOW`` of its
+    codec; for a codec not landed yet, another codec's with the link time per round swapped."""
+    meter = LinkMeter()
+    fp32, q2 = get_codec("fp32"), get_codec("q2")
+
+    def size(codec: Codec) -> int:
+        return {"fp32": 1600, "q2": 100}[codec.name]
+
+    assert meter.landing_s(fp32, [q2], size) == 0.0 and meter.landed_rounds("fp32") == 0
+    meter.record(0, 0.8, "a", "fp32")  # fp32's rounds keep the link busy 0.8 s
+    for seconds in (1.0, 3.0, 1.2):
+        meter.landed("fp32", seconds)
+    assert meter.landing_s(fp32, [q2], size) == pytest.approx(1.2) and meter.landed_rounds("fp32") == 3
+    # q2, not landed yet: fp32's 1.2 s less its 0.8 s on the link, plus q2's 0.05 s (1/16 the bytes)
+    assert meter.landing_s(q2, [fp32], size) == pytest.approx(0.45)
+    for _ in range(exchange_module.LANDING_WINDOW):  # old landings leave the window
+        meter.landed("fp32", 0.5)
+    assert meter.landing_s(fp32, [], size) == pytest.approx(0.5)

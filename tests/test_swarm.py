@@ -52,7 +52,8 @@ def test_three_peers_equal_the_simulator(
         for i in range(3):
             # peer 0 joins by multiaddr, the others by the host:port the bootstrap printed
             address = boot.maddr if i == 0 else boot.host_port
-            args = ["join", "--bootstrap", address, "--algo", algo, "--codec", codec, *TINY]
+            # --codec after TINY, whose own --codec fp32 would otherwise be the one taken
+            args = ["join", "--bootstrap", address, "--algo", algo, *TINY, "--codec", codec]
             if algo == "cocodc" or i == 0:  # streaming: peers 1 and 2 pick the free shards themselves
                 args += ["--shard", f"{i}/3"]
             args += ["--out", f"peer{i}.jsonl", "--save", f"peer{i}-model", "--run-id", f"t-{algo}"]
@@ -64,9 +65,9 @@ def test_three_peers_equal_the_simulator(
                 "simulate",
                 "--algo",
                 algo,
+                *TINY,
                 "--codec",
                 codec,
-                *TINY,
                 "--out",
                 "sim.jsonl",
                 "--save",
@@ -109,6 +110,9 @@ def test_three_peers_equal_the_simulator(
         0 < s["mean_butterfly_s"] * s["butterflies"] <= s["mean_round_s"] * s["rounds_done"]
         for s in summaries
     )
+    # every sync's time to land (send to result, the wait for the others left out) is timed
+    assert all(list(s["sync_landing_s"]) == [codec] for s in summaries)
+    assert all(0 < s["sync_landing_s"][codec] < s["wall_time_s"] for s in summaries)
     assert len({s["global_params_sha256"] for s in summaries}) == 1
     assert all(s["final_val_ppl"] < s["initial_val_ppl"] * 0.8 for s in summaries)
     # the simulator models what a member sends on average: (M−1)/M of the slices and of their means

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -19,6 +19,16 @@ PACE_HEADROOM = 1.25  # a paced schedule keeps a link busy at most 1/1.25 = 80 %
 PACE_NARROWING_HEADROOM = 1.4  # and goes back to a narrower spacing only at 1/1.4 = 71 % busy there
 NARROW_AFTER_ROUNDS = 3  # rounds of a link measured before it may ask for a narrower spacing
 PACE_GRAIN = 4  # a paced spacing moves in steps of ⌊H/N⌋ / 4 (at least 1)
+
+
+class RoundCost(NamedTuple):
+    """What a round in one codec costs a peer (measured; 0.0: not yet): ``busy_s``, T, the time its
+    link is busy with the round, and ``landing_s``, D, the time a sync takes from its send to its
+    result, ready to apply (``paced_spacing``). A plain (busy_s, landing_s) pair reads the same
+    (``peer/lobby.py``, which imports no torch, passes one)."""
+
+    busy_s: float
+    landing_s: float = 0.0
 
 
 def pace_grain(base: int) -> int:
@@ -222,6 +232,7 @@ def paced_spacing(
     current: int = 0,
     settled: bool = True,
     overlap: int | None = None,
+    landing_s: float = 0.0,
 ) -> int:
     """The send-slot spacing a peer asks for so that its link keeps up: the least multiple of
     q = max(1, ⌊base/4⌋) (``PACE_GRAIN``; ``base`` is ⌊H/N⌋) at or above 1.25 · T / s, where T is the
@@ -244,17 +255,28 @@ def paced_spacing(
     it gets its whole slot). Where τ + 1 steps fall short of the headroom, ``base`` is not asked
     for: the spacing is at least ``base + q``. On `thin` with q2 (τ = 17, ⌊H/N⌋ = 24) the pace went
     from 30 steps to 24, and the round sent at 24 had 17 steps instead of 29: one peer's largest
-    stall of the run, 1.8 s (``docs/thin-link.md``)."""
-    if busy_s <= 0 or step_time_s <= 0:
+    stall of the run, 1.8 s (``docs/thin-link.md``).
+
+    ``landing_s``: D, the time a sync of this peer's takes from its send to its result, ready to
+    apply (measured; 0: not yet). A sync gets τ steps to land at ``base`` and h − 1 paced, so the
+    spacing is also at least 1.25 · D / s + 1, and ``base`` only where τ ≥ 1.25 · D / s. On a link
+    whose bandwidth a round hardly uses, D is round trips, the members' skew and their arithmetic,
+    which T leaves out: on `region` (1 Gbit/s, 20 ms) a pace sized from T alone stalled the peers
+    16–28 % of the run (``docs/thin-link.md``)."""
+    if (busy_s <= 0 and landing_s <= 0) or step_time_s <= 0:
         return base
     grain = pace_grain(base)
 
+    tau = base - 1 if overlap is None else overlap
+
     def spacing(headroom: float) -> int:
-        need = headroom * busy_s / step_time_s  # steps
+        link = headroom * busy_s / step_time_s  # steps the link is busy per round
+        land = headroom * landing_s / step_time_s  # steps a sync takes to land
+        if link <= min(base, tau + 1) + 1e-9 and land <= tau + 1e-9:
+            return base
+        need = max(link, land + 1 if landing_s > 0 else 0.0)  # paced: τ' = h − 1 steps to land in
         wanted = max(base, min(grain * math.ceil(need / grain - 1e-9), MAX_PACE_PERIODS * inner_steps))
-        if wanted == base and overlap is not None and overlap + 1 < need - 1e-9:
-            return base + grain
-        return wanted
+        return base + grain if wanted == base else wanted
 
     wanted = spacing(PACE_HEADROOM)
     if wanted >= current:
@@ -274,8 +296,8 @@ def coarse_spacing(base: int) -> int:
 def paced_codec_spacing(
     base: int,
     inner_steps: int,
-    steady_busy_s: float,
-    coarse_busy_s: float,
+    steady: RoundCost,
+    coarse: RoundCost,
     step_time_s: float,
     current: int,
     settled: bool,
@@ -284,22 +306,24 @@ def paced_codec_spacing(
     """``paced_spacing`` for a swarm whose syncs take a coarser codec while a link's bandwidth
     paces it (``SyncCodecs``): the spacing itself says which codec a sync uses (at least
     ``coarse_spacing(base)``: the coarser one), so the pace every member takes from a round carries
-    the codec too. ``steady_busy_s`` and ``coarse_busy_s``: the link time a round of each codec takes.
+    the codec too. ``steady`` and ``coarse``: what a round of each codec costs (``RoundCost``).
 
     The steady codec where its rounds fit in ⌊H/N⌋, or in ⌊H/N⌋ + q where τ is too short to land
     them (``paced_spacing`` says which, from the spacing in use; coming back from the coarser codec
     takes the narrowing headroom, 1.4×, and a settled measurement). Else the coarser codec's
     ``paced_spacing``, at least ``coarse_spacing(base)``. On `thin` (2 Mbit/s) q2 synced 14–16 rounds
     in a run where fp4 synced 6–10, and ended 2.3 % lower in perplexity (``docs/thin-link.md``)."""
-    if steady_busy_s <= 0 or step_time_s <= 0:
+    if max(steady) <= 0 or step_time_s <= 0:  # neither the link's time nor a landing measured
         return base
     coarse_from = coarse_spacing(base)
     coarse_now = current >= coarse_from
     wider = MAX_PACE_PERIODS * inner_steps + 1  # than any spacing asked for: come back only when settled
-    steady = paced_spacing(
-        base, inner_steps, steady_busy_s, step_time_s, wider if coarse_now else current, settled, overlap
-    )
-    if steady < coarse_from:
-        return steady
-    coarse = paced_spacing(base, inner_steps, coarse_busy_s, step_time_s, current, settled, overlap)
-    return max(coarse, coarse_from)
+
+    def spacing(cost: RoundCost, current: int) -> int:
+        busy, landing = cost
+        return paced_spacing(base, inner_steps, busy, step_time_s, current, settled, overlap, landing)
+
+    steady_spacing = spacing(steady, wider if coarse_now else current)
+    if steady_spacing < coarse_from:
+        return steady_spacing
+    return max(spacing(coarse, current), coarse_from)

@@ -33,6 +33,7 @@ from p2p_cocodc.algorithms.outer import OuterOptimizer, OuterSettings, OuterStep
 from p2p_cocodc.algorithms.schedules import (
     AdaptiveSchedule,
     FixedSchedule,
+    RoundCost,
     Schedule,
     delta_rms,
     paced_codec_spacing,
@@ -155,11 +156,12 @@ class ReplicaStrategy:
         can be paced; nothing for the others (their ``send_spacing`` is None)."""
 
     def pace_wish(
-        self, round_busy_s: Callable[[Codec], float], step_time_s: float, settled: bool = True
+        self, round_cost: Callable[[Codec], RoundCost], step_time_s: float, settled: bool = True
     ) -> int:
-        """The send-slot spacing a link keeps up with where a round in codec c keeps it busy
-        ``round_busy_s(c)`` seconds, for an algorithm whose schedule can be paced (0: it cannot, or
-        needs not); ``settled``: measured over enough rounds to narrow the pace (``paced_spacing``)."""
+        """The send-slot spacing a link keeps up with where a round in codec c costs
+        ``round_cost(c)`` (its link time and the time a sync takes to land), for an algorithm whose
+        schedule can be paced (0: it cannot, or needs not); ``settled``: measured over enough rounds
+        to narrow the pace (``paced_spacing``)."""
         return 0
 
     def gradient_payload(self) -> torch.Tensor:
@@ -477,14 +479,15 @@ class CoCoDC(Strategy):
         self.schedule.set_spacing(spacing)
 
     def pace_wish(
-        self, round_busy_s: Callable[[Codec], float], step_time_s: float, settled: bool = True
+        self, round_cost: Callable[[Codec], RoundCost], step_time_s: float, settled: bool = True
     ) -> int:
         base, spacing, steps = self.schedule.base_spacing, self.schedule.spacing, self.settings.inner_steps
-        busy, coarse = round_busy_s(self.codecs.steady), self.codecs.paced
+        steady, coarse = round_cost(self.codecs.steady), self.codecs.paced
         if coarse is None:
-            return paced_spacing(base, steps, busy, step_time_s, spacing, settled, self.overlap)
+            busy, landing = steady
+            return paced_spacing(base, steps, busy, step_time_s, spacing, settled, self.overlap, landing)
         return paced_codec_spacing(
-            base, steps, busy, round_busy_s(coarse), step_time_s, spacing, settled, self.overlap
+            base, steps, steady, round_cost(coarse), step_time_s, spacing, settled, self.overlap
         )
 
     def merge(

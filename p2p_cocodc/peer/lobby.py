@@ -449,7 +449,11 @@ def declared_pace(replica: Any, mbps: float, step_time: float | None) -> int:
     strategy = replica.strategy
     if strategy.send_spacing() is None or not step_time:
         return 0
-    wish = strategy.pace_wish(lambda codec: declared_busy_s(replica.round_bytes(codec), mbps), step_time)
+
+    def declared(codec: Any) -> tuple[float, float]:  # a RoundCost: the link's time, no landing measured
+        return declared_busy_s(replica.round_bytes(codec), mbps), 0.0
+
+    wish = strategy.pace_wish(declared, step_time)
     return wish if wish > strategy.send_spacing() else 0
 
 

@@ -34,7 +34,7 @@ import torch
 from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.algorithms.devices import HostCopy, StepTimer, peak_memory_bytes
 from p2p_cocodc.algorithms.inner_share import RegionShare
-from p2p_cocodc.algorithms.schedules import NARROW_AFTER_ROUNDS
+from p2p_cocodc.algorithms.schedules import NARROW_AFTER_ROUNDS, RoundCost
 from p2p_cocodc.algorithms.state import expect_list, expect_tensor
 from p2p_cocodc.algorithms.strategies import AlgoSettings, PreparedResult
 from p2p_cocodc.config.derived import declared_busy_s
@@ -64,8 +64,8 @@ def say_paced(schedule: Any, was: int | None, round_id: str, said_before: bool) 
     first = not said_before and now > schedule.base_spacing
     log.log(
         logging.WARNING if first else logging.INFO,
-        "the swarm now sends a fragment every %s steps (was %s): round %s agreed on the pace its "
-        "slowest link keeps up with%s",
+        "the swarm now sends a fragment every %s steps (was %s): round %s agreed on the pace in which "
+        "its slowest member's link carries a round and its syncs land%s",
         now,
         was,
         round_id,
@@ -368,20 +368,26 @@ class SwarmReplica:
         if self.region is not None:  # an fsdp region gathers the fragment from its ranks' shards
             self.region.collect(self.strategy.fragments[p].params, self.trainer.model)
         snapshot = self.trainer.placement.to_host(self.strategy.send(p, step))  # type: ignore[attr-defined]
-        self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, self._pace_wish()))
+        self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, self._pace_wish(), started))
         self.boundary_s += time.perf_counter() - started
 
-    async def _sync(self, p: int, step: int, snapshot: HostCopy, pace: int) -> PreparedResult:
+    async def _sync(self, p: int, step: int, snapshot: HostCopy, pace: int, sent_at: float) -> PreparedResult:
         """One fragment sync, off the training thread and the event loop: Δ_p = θ̄_p − θ_p from
         the snapshot's host copy (in a worker thread), the round, then the result prepared for
         ``Strategy.apply`` (the outer step on the CPU, the new θ̄_p copied to the device) so that
-        applying it between two steps costs only the merge."""
+        applying it between two steps costs only the merge. How long that took from ``sent_at``
+        (the send, ``time.perf_counter``), less the wait for the round's other members, is the
+        sync's landing time (``LinkMeter.landed``)."""
+        assert self.exchange is not None
         strategy = self.strategy
 
         def outer_gradient() -> torch.Tensor:
             return strategy.outer_gradient(p, snapshot.wait())  # type: ignore[attr-defined]
 
-        return await self._round(p, step, await asyncio.to_thread(outer_gradient), pace)
+        prepared = await self._round(p, step, await asyncio.to_thread(outer_gradient), pace)
+        waited = self.exchange.groups[fragment_round(p, step)].arrival_wait_s
+        self.exchange.link.landed(strategy.sync_codec(p).name, time.perf_counter() - sent_at - waited)  # type: ignore[attr-defined]
+        return prepared
 
     async def _round(self, p: int, sent_step: int, vector: torch.Tensor, pace: int | None) -> PreparedResult:
         """The round of fragment p sent after ``sent_step``: with ``vector`` and the ``pace`` this
@@ -402,21 +408,23 @@ class SwarmReplica:
 
     def _pace_wish(self) -> int:
         """The send-slot spacing this peer's link keeps up with (0: none, or --pace fixed): each
-        round's group takes the largest its members ask for. The link's busy time per round is
-        measured (``LinkMeter``) on the rounds of the codec a sync sent now takes, else on those of
-        the run's other codec (``SyncCodecs``), scaled by their bytes; until a delivery was
-        acknowledged, it is what the declared link (--bandwidth-mbps) would take for a round's bytes."""
+        round's group takes the largest its members ask for. The link's busy time per round and the
+        time a sync takes to land are measured (``LinkMeter``) on the rounds of the codec a sync
+        sent now takes, else on those of the run's other codec (``SyncCodecs``), scaled by their
+        bytes; until a delivery was acknowledged, the busy time is what the declared link
+        (--bandwidth-mbps) would take for a round's bytes."""
         assert self.exchange is not None
         if self.pace == "fixed" or self.strategy.send_spacing() is None:
             return 0
         link, now, codecs = self.exchange.link, self.strategy.next_codec(), self.setup.codecs.all()  # type: ignore[attr-defined]
 
-        def round_busy_s(codec: Codec) -> float:
+        def round_cost(codec: Codec) -> RoundCost:
             measured = link.round_s(codec, [now, *codecs], self.round_bytes)
-            return measured or declared_busy_s(self.round_bytes(codec), self.cfg.bandwidth_mbps)
+            busy = measured or declared_busy_s(self.round_bytes(codec), self.cfg.bandwidth_mbps)
+            return RoundCost(busy, link.landing_s(codec, [now, *codecs], self.round_bytes))
 
-        settled = link.rounds(now.name) >= NARROW_AFTER_ROUNDS
-        return self.strategy.pace_wish(round_busy_s, self.step_time_s, settled)
+        settled = min(link.rounds(now.name), link.landed_rounds(now.name)) >= NARROW_AFTER_ROUNDS
+        return self.strategy.pace_wish(round_cost, self.step_time_s, settled)
 
     async def apply(self, p: int, step: int) -> bool:
         assert self.exchange is not None and self.presence is not None
@@ -637,6 +645,8 @@ def peer_summary(replica: SwarmReplica, failure: str | None) -> dict[str, Any]:
         # from the group's adoption (every member present) to the average: the transfers alone
         "butterflies": stats.butterflies,
         "mean_butterfly_s": stats.butterflies_s / stats.butterflies if stats.butterflies else None,
+        # from a sync's send to its result, less the wait for the others, by codec (the pace's D)
+        "sync_landing_s": replica.exchange.link.landing_medians(),
         "rounds_failed": stats.rounds_failed,
         "bytes_resent": stats.bytes_resent,
         "bytes_served": stats.bytes_served,

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import statistics
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -103,6 +104,7 @@ TICK_S = 0.2
 BULK_BYTES = 64 * 1024  # a message this large or larger waits its turn on the link to its peer
 STOP_GRACE_S = 5.0  # how long stop() lets messages being written go out
 LINK_WINDOW = 64  # bulk deliveries the link meter remembers
+LANDING_WINDOW = 8  # landing times of this peer's syncs the link meter remembers, per codec
 
 
 class RoundFailed(Exception):
@@ -154,10 +156,17 @@ class ExchangeStats:
 
 @dataclass(frozen=True)
 class GroupRecord:
-    """A round this peer completed: its members' data shards (in member order) and its pace."""
+    """A round this peer completed: its members' data shards (in member order), its pace, and how
+    long this peer waited in it for the others to arrive (from its start to the group's adoption:
+    the members' skew)."""
 
     shards: tuple[int, ...]
     pace: int
+    arrival_wait_s: float = 0.0
+
+    @classmethod
+    def of(cls, completed: Completed, arrival_wait_s: float) -> GroupRecord:
+        return cls(tuple(shard for _, shard in completed.members), completed.pace, max(0.0, arrival_wait_s))
 
 
 class LinkMeter:
@@ -166,10 +175,18 @@ class LinkMeter:
     overlap, so the busy time is the union of those intervals; divided by the number of rounds they
     belong to, it is the link time one round takes here (whatever else shares the link, and however
     much the kernel and the daemon buffer), over the last ``LINK_WINDOW`` deliveries. Rounds of
-    each wire codec (``SyncCodecs``) are timed apart: a paced swarm's rounds are smaller."""
+    each wire codec (``SyncCodecs``) are timed apart: a paced swarm's rounds are smaller.
+
+    It also keeps how long this peer's syncs took to land: from the send to the result, ready to
+    apply, less the wait for the others to arrive (``landed``). On a fast link that is round trips
+    and arithmetic more than link time, and it is what τ steps must cover (``paced_spacing``). The
+    members' skew is left out: a pace that widened for it would leave the faster peers more steps
+    to run ahead in, and the next rounds' skew would ask for wider still (on `region`, the pace
+    went from 4 steps to 21 in one run)."""
 
     def __init__(self) -> None:
         self.deliveries: deque[tuple[float, float, str, str]] = deque(maxlen=LINK_WINDOW)
+        self.landings: dict[str, deque[float]] = {}
 
     def record(self, started: float, acked: float, round_id: str, codec: str) -> None:
         self.deliveries.append((started, acked, round_id, codec))
@@ -185,6 +202,34 @@ class LinkMeter:
         for known in measured:
             if busy := self.busy_per_round_s(known.name):
                 return busy * round_bytes(codec) / round_bytes(known)
+        return 0.0
+
+    def landed(self, codec: str, seconds: float) -> None:
+        """A sync of this peer's in ``codec`` was ready to apply ``seconds`` after its send, not
+        counting its wait for the others (``GroupRecord.arrival_wait_s``)."""
+        self.landings.setdefault(codec, deque(maxlen=LANDING_WINDOW)).append(seconds)
+
+    def landed_rounds(self, codec: str) -> int:
+        """The syncs of ``codec`` whose landing times the meter holds."""
+        return len(self.landings.get(codec, ()))
+
+    def landing_medians(self) -> dict[str, float]:
+        """The median landing time of each codec's last ``LANDING_WINDOW`` syncs."""
+        return {codec: statistics.median(times) for codec, times in self.landings.items()}
+
+    def landing_s(self, codec: Codec, measured: list[Codec], round_bytes: Callable[[Codec], int]) -> float:
+        """How long a sync of ``codec`` takes to land here: the median of its last
+        ``LANDING_WINDOW`` landings; else, from the first of ``measured`` whose syncs landed, that
+        codec's median with its link time per round swapped for this one's (``round_s``); 0.0 with
+        nothing landed."""
+        for known in [codec, *measured]:
+            if known.name in self.landings:
+                landing = self.landing_medians()[known.name]
+                if known.name == codec.name:
+                    return landing
+                return max(0.0, landing - self.round_s(known, [known], round_bytes)) + self.round_s(
+                    codec, [known], round_bytes
+                )
         return 0.0
 
     def busy_per_round_s(self, codec: str) -> float:
@@ -353,7 +398,7 @@ class FragmentExchange:
                     round_id,
                     ", ".join(p[:12] for p in result.screened_out),
                 )
-            self.groups[round_id] = GroupRecord(tuple(shard for _, shard in result.members), result.pace)
+            self.groups[round_id] = GroupRecord.of(result, arrival_wait_s=machine.adopted_at - started)
             if len(self.groups) > MAX_FINISHED:
                 del self.groups[next(iter(self.groups))]
             return result.average
