@@ -260,9 +260,10 @@ def paced_spacing(
     ``landing_s``: D, the time a sync of this peer's takes from its send to its result, ready to
     apply (measured; 0: not yet). A sync gets τ steps to land at ``base`` and h − 1 paced, so the
     spacing is also at least 1.25 · D / s + 1, and ``base`` only where τ ≥ 1.25 · D / s. On a link
-    whose bandwidth a round hardly uses, D is round trips, the members' skew and their arithmetic,
-    which T leaves out: on `region` (1 Gbit/s, 20 ms) a pace sized from T alone stalled the peers
-    16–28 % of the run (``docs/thin-link.md``)."""
+    whose bandwidth a round hardly uses, D is round trips and arithmetic, which T leaves out: on
+    `region` (1 Gbit/s, 20 ms) a pace sized from T alone stalled the peers 13–18 % of the run, and
+    with D 7–10 % (``docs/thin-link.md``). D leaves out the wait for the other members to arrive
+    (``LinkMeter``)."""
     if (busy_s <= 0 and landing_s <= 0) or step_time_s <= 0:
         return base
     grain = pace_grain(base)
