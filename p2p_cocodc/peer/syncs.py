@@ -423,7 +423,10 @@ class SwarmReplica:
             busy = measured or declared_busy_s(self.round_bytes(codec), self.cfg.bandwidth_mbps)
             return RoundCost(busy, link.landing_s(codec, [now, *codecs], self.round_bytes))
 
-        settled = min(link.rounds(now.name), link.landed_rounds(now.name)) >= NARROW_AFTER_ROUNDS
+        # measured over enough rounds to narrow: their landings, and their deliveries where any was
+        # bulk (a round of small payloads has none: its link time stays the declared one)
+        landed, timed = link.landed_rounds(now.name), link.rounds(now.name)
+        settled = landed >= NARROW_AFTER_ROUNDS and (not timed or timed >= NARROW_AFTER_ROUNDS)
         return self.strategy.pace_wish(round_cost, self.step_time_s, settled)
 
     async def apply(self, p: int, step: int) -> bool:
