@@ -238,7 +238,7 @@ def test_the_paced_spacing_is_what_the_link_keeps_up_with_within_bounds() -> Non
 def test_the_paced_spacing_gives_a_sync_the_steps_it_takes_to_land() -> None:
     """A fast link (no busy time to speak of) whose syncs take D = 0.5 s from send to result: at
     ⌊H/N⌋ = 1 with τ = 1 and steps of 0.2 s, they land 2.5 steps late. The spacing h gives a paced
-    sync h − 1 steps, so h ≥ 1.25 · D / s + 1 (``docs/thin-link.md``: `region` stalled 16–28 %)."""
+    sync h − 1 steps, so h ≥ 1.25 · D / s + 1 (``docs/thin-link.md``: `region` stalled 13–28 %)."""
     assert paced_spacing(1, 48, 0.01, 0.2, overlap=1) == 1  # D not measured yet: the link alone
     assert paced_spacing(1, 48, 0.01, 0.2, overlap=1, landing_s=0.5) == 5  # 1.25 · 2.5 + 1 = 4.1
     assert paced_spacing(1, 48, 0.0, 0.2, overlap=1, landing_s=0.5) == 5  # no bulk delivery timed
