@@ -224,7 +224,7 @@ class LinkMeter:
         nothing landed."""
         for known in [codec, *measured]:
             if known.name in self.landings:
-                landing = self.landing_medians()[known.name]
+                landing = statistics.median(self.landings[known.name])
                 if known.name == codec.name:
                     return landing
                 return max(0.0, landing - self.round_s(known, [known], round_bytes)) + self.round_s(
