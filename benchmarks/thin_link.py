@@ -181,6 +181,7 @@ class Logged:
 
     def __init__(self, net: ThinNet, where: str, argv: list[str], log: Path, t0: float) -> None:
         self.log = log
+        self.out: Path | None = None  # a peer's --out records
         self.proc = net.popen_in(
             where, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
         )
@@ -201,6 +202,15 @@ class Logged:
         if code is not None and self.ended is None:
             self.ended = time.monotonic()
         return code
+
+
+def start_peer(net: ThinNet, node: Any, argv: list[str], rundir: Path, name: str, t0: float) -> Logged:
+    """One peer's process in its namespace: records to RUNDIR/NAME.jsonl, its lines to NAME.log."""
+    out = rundir / f"{name}.jsonl"
+    out.unlink(missing_ok=True)
+    proc = Logged(net, node.ns, [*argv, "--out", str(out)], rundir / f"{name}.log", t0)
+    proc.out = out
+    return proc
 
 
 def end_all(procs: list[Logged], grace_s: float = 30.0) -> None:
@@ -474,6 +484,8 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
         status: Logged | None = None
         probe: Logged | None = None
         cut: list[Logged] = []
+        argvs: list[list[str]] = []
+        crashed: list[Logged] = []
         samples: list[dict[str, Any]] = []
         sockets: set[str] = set()
         try:
@@ -484,12 +496,12 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
                 time.sleep(0.2)
             joining = f"{net.switch_address}:{STATUS_PORT}"
             for node in net.nodes:
-                out = rundir / f"peer{node.index}.jsonl"
-                out.unlink(missing_ok=True)
                 argv = CLI + ["join", "--bootstrap", joining, "--host", node.address, "--run-id", "thin"]
-                argv += ["--shard", f"{node.index}/{PEERS}", *training_options(args, mbps), "--out", str(out)]
+                argv += ["--shard", f"{node.index}/{PEERS}", *training_options(args, mbps)]
+                argv += ["--identity", str(rundir / f"peer{node.index}.id")]  # a restart keeps its id
                 argv += ["--verbose"] if args.verbose else []
-                peers.append(Logged(net, node.ns, argv, rundir / f"peer{node.index}.log", t0))
+                argvs.append(argv)
+                peers.append(start_peer(net, node, argv, rundir, f"peer{node.index}", t0))
             result["peer_command"] = " ".join(["ip netns exec NS python", *argv[1:]])
             result["bootstrap_command"] = " ".join(["ip netns exec SWITCH python", *boot_argv[1:]])
             status = Logged(
@@ -515,6 +527,19 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
                     }
                     print(f"[{mbps:g} Mbit/s] narrowed to {args.narrow_to:g} Mbit/s after step "
                           f"{result['narrowed']['after_step']}")  # fmt: skip
+                if args.crash_after is not None and not crashed and len(settled) >= args.crash_after:
+                    crashed.append(peers[-1])
+                    os.killpg(peers[-1].proc.pid, signal.SIGKILL)
+                    peers[-1].proc.wait(timeout=30)
+                    peers[-1].poll()
+                    node = net.nodes[-1]
+                    peers[-1] = start_peer(net, node, argvs[-1], rundir, f"peer{node.index}-returned", t0)
+                    result["crashed"] = {
+                        "t": round(time.monotonic() - t0, 1),
+                        "after_step": max(r["step"] for r in settled),
+                    }
+                    print(f"[{mbps:g} Mbit/s] peer {node.index} SIGKILLed after peer 0's step "
+                          f"{result['crashed']['after_step']} and started again")  # fmt: skip
                 if time.monotonic() - started > args.timeout:
                     timed_out = True
                     cut = [p for p in peers if p.poll() is None]
@@ -530,16 +555,18 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
             result["tbf"] = {ns: tbf_counters(net, ns) for ns in [net.switch] + [n.ns for n in net.nodes]}
         finally:
             end_all([*peers, *(p for p in (status, probe) if p), boot])
+            for proc in crashed:
+                proc._pump.join(timeout=10)
             result["removed_sockets"] = remove_dead_sockets(sockets)
         (rundir / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
         board = board_history(rundir / "status.log")
         result["dht_probe"] = timed_lines(rundir / "dht_probe.log")
         result["peers"] = []
         for node, proc in zip(net.nodes, peers, strict=True):
-            recs = records(rundir / f"peer{node.index}.jsonl")
+            recs = records(proc.out)
             summary = next((r for r in recs if r.get("kind") == "summary"), None)
             evals = [r for r in recs if r.get("kind") == "eval"]
-            log_lines = (rundir / f"peer{node.index}.log").read_text(errors="replace").splitlines()
+            log_lines = proc.log.read_text(errors="replace").splitlines()
             code = proc.proc.returncode
             peer_send_q = [
                 max((s["send_q"] for s in tick[node.address]), default=0)
@@ -590,7 +617,9 @@ def run_rate(mbps: float, args: argparse.Namespace, workdir: Path, name: str) ->
                     "lost_dht": any("lost the swarm's DHT" in x for x in log_lines),
                     # (seconds since start, step) of the last time the bootstrap saw its record
                     "last_on_board": board.get(node.index),
-                    "notable": notable(rundir / f"peer{node.index}.log")[:40],
+                    "notable": notable(proc.log)[:40],
+                    # a peer started again (--crash-after): how it took the swarm's state
+                    "took_state": next((x for x in log_lines if "took the swarm's state" in x), None),
                     "last_lines": log_lines[-args.tail :],
                 }
             )
@@ -651,6 +680,10 @@ def report(result: dict[str, Any]) -> str:
         lines.append(
             f"\nnarrowed to {n['to_mbps']:g} Mbit/s at {n['t']} s, after peer 0's step {n['after_step']}"
         )
+    if "crashed" in result:
+        c, took = result["crashed"], result["peers"][-1]["took_state"] or "it took no state"
+        lines.append(f"\npeer {PEERS - 1} SIGKILLed at {c['t']} s, after peer 0's step {c['after_step']}, "
+                     f"and started again: {took}")  # fmt: skip
     lines.append("exchange goodput ÷ shaped bandwidth: " + ", ".join(
         f"peer {p['peer']} {g['ratio']} ({g['bytes'] / 1e6:.2f} MB, {g['rounds']} rounds, {g['round_s']} s; "
         f"{g['butterfly_ratio']} over the butterflies' own {g['butterfly_s']} s)"
@@ -727,6 +760,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--narrow-to", type=float, help="re-shape the links to this many Mbit/s mid-run")
     parser.add_argument(
         "--narrow-after", type=int, default=4, help="rounds peer 0 settles before --narrow-to"
+    )
+    parser.add_argument(
+        "--crash-after",
+        type=int,
+        help="SIGKILL the last peer once peer 0 has settled this many rounds, and start it again at once",
     )
     parser.add_argument(
         "--judge-codec",

@@ -257,3 +257,80 @@ def test_when_the_link_narrows_mid_run_the_swarm_paces_within_a_few_rounds(tmp_p
     coarse = [i for i, r in enumerate(after) if r["codec"] == "q2"]
     assert {r["codec"] for r in before} == {"fp32"} and coarse and coarse[0] < 6, (narrowed_after, rounds)
     assert_replayed(tmp_path, NARROWING, outs[0][-1])
+
+
+# a donor of a state of MB MiB: trains a step every 50 ms and serves its state (``StateServer``);
+# writes its peer id and addresses to INFO once it serves
+STATE_DONOR = """
+import asyncio, json, os, sys, torch
+from p2p_cocodc.swarm.dht import start_dht
+from p2p_cocodc.swarm.state_transfer import StateServer
+host, info, mib, mbps = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+dht = start_dht([], host, 0)
+async def main():
+    p2p, step = await dht.replicate_p2p(), 0
+    state = {"theta": torch.arange(int(mib * 2**20 / 4), dtype=torch.float32)}
+    server = StateServer(p2p, "t", "fp", lambda: step, lambda: state, 10**6, link_mbps=mbps)
+    await server.start()
+    with open(info + ".tmp", "w") as f:
+        json.dump({"id": p2p.peer_id.to_base58(), "maddrs": [str(a) for a in dht.get_visible_maddrs()]}, f)
+    os.rename(info + ".tmp", info)
+    while True:
+        await asyncio.sleep(0.05)
+        step += 1
+        server.step_done(step)
+asyncio.run(main())
+"""
+# a joiner that takes the donor's state over its link, and prints what it took
+STATE_JOINER = """
+import asyncio, json, sys, time, torch
+from p2p_cocodc.swarm.dht import start_dht
+from p2p_cocodc.swarm.state_transfer import StateUnavailable, pull_state
+host, info, mbps = sys.argv[1], sys.argv[2], float(sys.argv[3])
+donor = json.load(open(info))
+dht = start_dht(donor["maddrs"], host, 0)
+async def main():
+    p2p = await dht.replicate_p2p()
+    try:
+        pulled = await pull_state(p2p, "t", "fp", [donor["id"]], 0, 0.05, 10**6, link_mbps=mbps)
+    except StateUnavailable as exc:
+        print(json.dumps({"error": str(exc)}))
+        return
+    theta = pulled.state["theta"]
+    exact = bool(torch.equal(theta, torch.arange(theta.numel(), dtype=torch.float32)))
+    print(json.dumps({"bytes": pulled.num_bytes, "seconds": pulled.seconds, "exact": exact}))
+asyncio.run(main())
+"""
+
+
+def test_a_joiner_takes_a_state_its_link_needs_longer_than_a_message_deadline_for(tmp_path: Path) -> None:
+    """A peer that comes back over a thin link takes the swarm's state: here 2.5 MiB over 0.5
+    Mbit/s each way (about 45 s), which a state chunk used to be given 33 s for (it then failed
+    with "chunks of the state could not be had from any donor", as a peer restarted on `thin`
+    did: docs/thin-link.md). The chunks' deadlines now assume the slowest link they plan for."""
+    info = tmp_path / "donor.json"
+    with thin_network(2, 0.5) as net:
+        donor_node, joiner_node = net.nodes
+        donor = net.popen_in(
+            donor_node,
+            [sys.executable, "-c", STATE_DONOR, donor_node.address, str(info), "2.5", "0.5"],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while not info.exists():
+            assert donor.poll() is None and time.monotonic() < deadline, "the donor did not start"
+            time.sleep(0.1)
+        joiner = net.run_in(
+            joiner_node,
+            [sys.executable, "-c", STATE_JOINER, joiner_node.address, str(info), "0.5"],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert joiner.returncode == 0, joiner.stderr[-3000:]
+        took = json.loads(joiner.stdout.strip().splitlines()[-1])
+        assert "error" not in took, took
+        assert took["exact"] and took["bytes"] == int(2.5 * 2**20)
+        # it really went through the narrow link (2.5 MiB at 0.5 Mbit/s is 42 s), not around it
+        assert took["seconds"] > 30, took
+    assert leftovers(net.suffix) == []

@@ -378,6 +378,7 @@ class Peer:
                 replica.shared_state,
                 self.cfg.steps,
                 admits=self.exchange.is_member,  # the same peers the exchange hears, bans included
+                link_mbps=self.cfg.bandwidth_mbps,
             )
             await self.state_server.start()
         replica.attach(self.exchange, self.state_server, presence, stop, self._take_state, self._sample)
@@ -624,7 +625,14 @@ class Peer:
             # a donor may take minutes to answer (it waits to reach the step asked, or it is stopped):
             # a signal must not wait for it
             pull = pull_state(
-                self.p2p, self.opts.run_id, self.fingerprint, donors, ahead, step_time, self.cfg.steps
+                self.p2p,
+                self.opts.run_id,
+                self.fingerprint,
+                donors,
+                ahead,
+                step_time,
+                self.cfg.steps,
+                link_mbps=self.cfg.bandwidth_mbps,
             )
             pulled = await unless_stopped(pull, stop, lambda: self._check_stop(stop, where))
         except StateUnavailable as exc:

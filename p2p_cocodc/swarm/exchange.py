@@ -82,6 +82,7 @@ from p2p_cocodc.swarm.round_events import (
 from p2p_cocodc.swarm.trust import OPEN
 from p2p_cocodc.swarm.wire import (
     MAX_FRAME,
+    MIN_LINK_MBPS,
     SLOWEST_LINK_MBPS,
     BadMessage,
     close_when_read,
@@ -92,7 +93,6 @@ from p2p_cocodc.swarm.wire import (
 
 log = logging.getLogger(__name__)
 
-MIN_LINK_MBPS = 1.0  # deadlines never assume a slower link (a measurement may catch a stall)
 MAX_OPEN_ROUNDS = 64  # rounds others may open here before this peer reaches them; then refused
 PARTS_REMEMBERED = 256  # slice digests kept per member, to catch a slice replayed from an earlier round
 BAN_AFTER = 64  # per-peer limits broken this often: the peer is banned from this peer's rounds

@@ -42,6 +42,8 @@ import torch
 from p2p_cocodc.swarm.limits import Limits, PeerLimiter
 from p2p_cocodc.swarm.wire import (
     MAX_FRAME,
+    MIN_LINK_MBPS,
+    SLOWEST_LINK_MBPS,
     BadMessage,
     close_when_read,
     is_index,
@@ -52,8 +54,8 @@ from p2p_cocodc.swarm.wire import (
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 4 << 20
-MAX_CHUNKS = 1 << 16  # 256 GiB of state
+CHUNK_BYTES = 1 << 20  # 4.6 s on a 2 Mbit/s link: a chunk given up costs no more than that again
+MAX_CHUNKS = 1 << 18  # 256 GiB of state
 MAX_TENSORS = 1 << 16
 MAX_DEPTH = 16
 ASK_TIMEOUT_S = 30.0  # opening a stream and one small frame
@@ -70,6 +72,18 @@ DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 }
+
+
+def chunk_link_mbps(link_mbps: float, streams: int) -> float:
+    """The rate a chunk's deadline assumes (``ASK_TIMEOUT_S`` plus its size at this rate), on one
+    end of a link of ``link_mbps`` (declared) that ``streams`` chunks in flight share.
+
+    Unlike a round, taking the state has no step waiting on it: a chunk given up too early costs the
+    whole join (its donors are dropped after two), one given up late only the time a dead donor
+    holds it. So the allowance assumes the slowest link deadlines plan for (``MIN_LINK_MBPS``, or
+    the declared link where slower), not the declared one: on a 2 Mbit/s link, six 1 MiB chunks take
+    28 s together, and 4 MiB ones took longer than the 33 s they were given."""
+    return min(link_mbps, MIN_LINK_MBPS) / streams
 
 
 class StateUnavailable(Exception):
@@ -250,9 +264,11 @@ class StateServer:
         last_step: int,
         chunk_bytes: int = CHUNK_BYTES,
         admits: Callable[[str], bool] = lambda peer: True,
+        link_mbps: float = SLOWEST_LINK_MBPS,
     ) -> None:
         self.p2p = p2p
         self.last_step = last_step
+        self.link_mbps = link_mbps  # the run's declared link (--bandwidth-mbps)
         self.admits = admits  # whether a peer is a member of the run (``FragmentExchange.is_member``)
         self.limiter = PeerLimiter(Limits(messages_per_s=20.0, burst=40.0, streams=2 * STREAMS_PER_DONOR))
         self.chunk_bytes = chunk_bytes
@@ -311,7 +327,9 @@ class StateServer:
         try:
             ask = await read_frame(reader, ASK_TIMEOUT_S, max_size=ASK_BYTES)
             reply = await self._answer(ask)
-            allowance = transfer_allowance_s(len(reply.get("data", b"")))
+            # every stream a joiner may hold here (``limiter``) shares this peer's uplink
+            link = chunk_link_mbps(self.link_mbps, 2 * STREAMS_PER_DONOR)
+            allowance = transfer_allowance_s(len(reply.get("data", b"")), link)
             await asyncio.wait_for(write_frame(writer, reply), ASK_TIMEOUT_S + allowance)
             await close_when_read(reader, writer, ASK_TIMEOUT_S + allowance)  # closing now may lose it
         except BadMessage as exc:
@@ -407,7 +425,14 @@ class Pulled:
 
 
 async def pull_state(
-    p2p: Any, run_id: str, fingerprint: str, donors: list[str], step: int, step_time_s: float, last: int
+    p2p: Any,
+    run_id: str,
+    fingerprint: str,
+    donors: list[str],
+    step: int,
+    step_time_s: float,
+    last: int,
+    link_mbps: float = SLOWEST_LINK_MBPS,
 ) -> Pulled:
     """The shared state at a step boundary ≥ ``step`` (and ≤ ``last``, the run's last step) that every
     asked donor agrees on.
@@ -415,7 +440,8 @@ async def pull_state(
     Asks every donor for its manifest at ``step``. A donor already past it answers with the step it
     is at: the next ask goes that far plus the steps (``step_time_s`` each) that two of that answer's
     round trips take, never past ``last`` (a donor would wait for a step its run never reaches, and
-    end before it answers). Needs the manifests of min(2, donors) donors, all with one digest (θ̄ is
+    end before it answers). ``link_mbps``: this peer's declared link, which every chunk in flight
+    shares (``chunk_link_mbps``). Needs the manifests of min(2, donors) donors, all with one digest (θ̄ is
     bit-identical on live peers: a disagreement means a split swarm, never papered over)."""
     started = time.perf_counter()
     need = min(2, len(donors))
@@ -456,12 +482,14 @@ async def pull_state(
                 "is split"
             )
         manifest = next(iter(manifests.values()))
-        blob = await _download(p2p, run_id, list(manifests), manifest)
+        blob = await _download(p2p, run_id, list(manifests), manifest, link_mbps)
         return Pulled(step, unpack(manifest, blob), list(manifests), time.perf_counter() - started, len(blob))
     raise StateUnavailable(f"the donors kept moving past the asked step, or did not reach it (last {step})")
 
 
-async def _download(p2p: Any, run_id: str, donors: list[str], manifest: dict[str, Any]) -> bytes:
+async def _download(
+    p2p: Any, run_id: str, donors: list[str], manifest: dict[str, Any], link_mbps: float
+) -> bytes:
     """Every chunk, from all donors at once (``STREAMS_PER_DONOR`` each); a chunk that fails or
     does not match its hash is asked of another donor, and a donor that fails twice is dropped."""
     step, hashes = manifest["step"], manifest["chunks"]
@@ -470,6 +498,7 @@ async def _download(p2p: Any, run_id: str, donors: list[str], manifest: dict[str
     for i in range(len(hashes)):
         todo.put_nowait(i)
     failures: dict[str, int] = dict.fromkeys(donors, 0)
+    link = chunk_link_mbps(link_mbps, len(donors) * STREAMS_PER_DONOR)
 
     async def worker(donor: str) -> None:
         while failures[donor] < 2 and len(chunks) < len(hashes):
@@ -480,7 +509,8 @@ async def _download(p2p: Any, run_id: str, donors: list[str], manifest: dict[str
                     return
                 await asyncio.sleep(0.05)  # another donor holds the last chunks: it may fail them
                 continue
-            answer = await _ask(p2p, run_id, donor, {"want": "chunk", "step": step, "index": index})
+            ask = {"want": "chunk", "step": step, "index": index}
+            answer = await _ask(p2p, run_id, donor, ask, link)
             data = answer.get("data") if isinstance(answer, dict) and answer.get("ok") is True else None
             if isinstance(data, bytes) and hashlib.sha256(data).hexdigest() == hashes[index]:
                 chunks[index] = data
@@ -505,8 +535,11 @@ async def _timed_ask(
     return answer, time.perf_counter() - started
 
 
-async def _ask(p2p: Any, run_id: str, donor: str, ask: dict[str, Any]) -> dict[str, Any] | str:
-    """One request to a donor: its answer, or a string saying what went wrong."""
+async def _ask(
+    p2p: Any, run_id: str, donor: str, ask: dict[str, Any], link_mbps: float = SLOWEST_LINK_MBPS
+) -> dict[str, Any] | str:
+    """One request to a donor: its answer (allowed its size at ``link_mbps`` on top of
+    ``ASK_TIMEOUT_S``), or a string saying what went wrong."""
     from hivemind.p2p import PeerID
 
     writer = None
@@ -520,7 +553,7 @@ async def _ask(p2p: Any, run_id: str, donor: str, ask: dict[str, Any]) -> dict[s
             raise asyncio.CancelledError
         await asyncio.wait_for(write_frame(writer, ask), ASK_TIMEOUT_S)
         wait = SNAPSHOT_WAIT_S + ASK_TIMEOUT_S if ask["want"] == "manifest" else ASK_TIMEOUT_S
-        return await read_frame(reader, wait)
+        return await read_frame(reader, wait, link_mbps=link_mbps)
     except BadMessage as exc:
         return f"bad answer ({exc})"
     except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base

@@ -17,6 +17,7 @@ import msgpack
 HEADER = 4
 MAX_FRAME = 1 << 30  # 1 GiB: a slice of a fragment of a multi-billion-parameter model in fp32
 SLOWEST_LINK_MBPS = 10.0  # deadlines for moving N bytes allow for a link this slow
+MIN_LINK_MBPS = 1.0  # deadlines never assume a slower link (a measurement may catch a stall)
 
 
 def transfer_allowance_s(num_bytes: int, link_mbps: float = SLOWEST_LINK_MBPS) -> float:
