@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,6 +44,8 @@ field_names = st.sampled_from(
         "ask",
         "status",
         "detail",
+        "means",
+        "codec",
     ]
 )
 bodies = st.dictionaries(field_names, values, max_size=8) | st.builds(
@@ -82,6 +85,24 @@ def test_arbitrary_maps_are_a_message_or_one_bad_message_error(body: dict) -> No
         assert str(exc)
         return
     assert parse_message(message.to_wire()) == message  # what we accept, we could have sent
+
+
+def test_an_average_is_slice_means_in_a_known_codec_one_per_member_or_fp32_data() -> None:
+    members = [["peer-a", 0], ["peer-b", 1]]
+    base = {"code": int(Code.AVERAGE), "round": "f0:5", "members": members, "pace": 0, "numel": 8}
+    means = {**base, "data": b"", "means": [b"ab", b"cd"], "codec": "q2"}
+    assert parse_message(parse_message(means).to_wire()) == parse_message(means)
+    older = parse_message({**base, "data": bytes(32)})  # no means: fp32, as an older peer sends it
+    assert older.means == () and older.codec == ""  # type: ignore[attr-defined]
+    for bad, what in (
+        ({**means, "means": [b"ab"]}, "one per member"),
+        ({**means, "codec": "zip"}, "known 'codec'"),
+        ({**means, "data": b"x"}, "no 'data'"),
+        ({**means, "means": [b"ab", "cd"]}, "list of bytes"),
+        ({**means, "means": b"abcd"}, "list of bytes"),
+    ):
+        with pytest.raises(BadMessage, match=what):
+            parse_message(bad)
 
 
 @FUZZ

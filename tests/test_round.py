@@ -12,7 +12,7 @@ import torch
 
 from p2p_cocodc.algorithms.butterfly import slice_sizes
 from p2p_cocodc.algorithms.codecs import get_codec
-from p2p_cocodc.swarm.messages import Code, Group, Message, Part
+from p2p_cocodc.swarm.messages import Code, Group, Message, Part, payload_bytes
 from p2p_cocodc.swarm.round import RoundMachine
 from p2p_cocodc.swarm.round_events import (
     Accuse,
@@ -29,6 +29,7 @@ from p2p_cocodc.swarm.round_events import (
     Start,
     Tick,
     ViewChanged,
+    average_reply,
     leader_rank,
     run_job,
 )
@@ -139,6 +140,27 @@ def test_the_group_takes_the_largest_pace_its_members_ask_for_and_so_does_a_late
     assert outcomes[2].by_butterfly is False  # type: ignore[union-attr]
     sent = [m for _, _, m in net.sent if m.code in (Code.GROUP, Code.PART, Code.RESULT, Code.AVERAGE)]
     assert sent and all(m.pace == 9 for m in sent)  # type: ignore[attr-defined]
+
+
+def test_a_late_fetcher_takes_the_average_as_the_members_slice_means_bit_for_bit() -> None:
+    # C is too late for the group of A and B (q2): the AVERAGE it is answered with carries the two
+    # slice means A's and B's RESULTs carried, not fp32 (16 times the bytes on a thin link, where a
+    # peer catching up fetches one a round), and C assembles the members' average from them, bit
+    # for bit; a peer that holds no slice means (C itself, which fetched) answers in fp32
+    net = Net({A: [B, C], B: [A, C], C: [A, B]}, codec="q2")
+    g = torch.Generator().manual_seed(0)
+    net.start(A, torch.randn(4096, generator=g))
+    net.start(B, torch.randn(4096, generator=g))
+    net.run(30, net.settled(A, B))
+    net.start(C, torch.randn(4096, generator=g))
+    net.run(60, net.settled(C))
+    members, taken = net.outcomes[A], net.outcomes[C]
+    assert isinstance(taken, Completed) and not taken.by_butterfly and isinstance(members, Completed)
+    assert torch.equal(taken.average.view(torch.int32), members.average.view(torch.int32))
+    averages = [m for _, to, m in net.sent if m.code == Code.AVERAGE and to == C]
+    assert averages and all(m.codec == "q2" and not m.data and len(m.means) == 2 for m in averages)
+    assert all(payload_bytes(m) < 4 * 4096 / 8 for m in averages)  # q2: 2 bits and a scale per 64
+    assert average_reply(ROUND, taken, {}, net.codec).data == taken.average.numpy().tobytes()
 
 
 def test_a_peer_that_led_alone_unseen_is_followed_not_split_from() -> None:

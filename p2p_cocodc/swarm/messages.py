@@ -15,12 +15,15 @@ type-checked and bounded, and anything else is a ``BadMessage`` naming what was 
 | RESULT | members, pace, index, numel, data | the owner's encoded mean of slice ``index`` |
 | ACK | kind, index | a PART or RESULT arrived |
 | FETCH | ask, members, pace, observer | "give me the average" (a left-out or failed member; an observer) |
-| AVERAGE | members, pace, numel, data | the round's average, fp32, bit-exact |
+| AVERAGE | members, pace, numel, data, means, codec | the round's average (‡) |
 | STATUS | status, detail, ask | where the round stands here, when that is the whole answer (see ``Status``) |
 | BYE | | the sender is leaving the run (round "-"): it joins no new group, finishes what it is in |
 
 (†) and ``trained``: how many of the last ``window`` steps the sender trained (``--inner-share``;
 0 and 0: every step), which weighs its slice in the owner's mean (``algorithms/inner_share.py``).
+(‡) either ``means``, one per member in member order, the slice means its members' RESULTs carried
+in ``codec`` (the round's: the fetcher assembles the average from them as the members did, at the
+codec's size rather than fp32's), or, with ``means`` empty, ``data``: the average in fp32, bit-exact.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar
 
+from p2p_cocodc.names import CODEC_NAMES
 from p2p_cocodc.swarm.wire import BadMessage, is_index
 
 MAX_ROUND_ID = 64
@@ -160,11 +164,14 @@ class Fetch(Message):
 @dataclass(frozen=True)
 class Average(Group):
     numel: int = 0
-    data: bytes = b""
+    data: bytes = b""  # the average in fp32 (empty with ``means``)
+    means: tuple[bytes, ...] = ()  # or each member's slice mean in ``codec``, in member order
+    codec: str = ""  # the codec of ``means``
     code: ClassVar[Code] = Code.AVERAGE
 
     def fields(self) -> dict[str, Any]:
-        return {**super().fields(), "numel": self.numel, "data": self.data}
+        means = {"means": list(self.means), "codec": self.codec} if self.means else {}
+        return {**super().fields(), "numel": self.numel, "data": self.data, **means}
 
 
 @dataclass(frozen=True)
@@ -185,7 +192,7 @@ class Bye(Message):
 
 def payload_bytes(message: Message) -> int:
     """Bytes of tensor data a message carries (what deadlines allow transfer time for)."""
-    return len(getattr(message, "data", b""))
+    return len(getattr(message, "data", b"")) + sum(map(len, getattr(message, "means", ())))
 
 
 def parse_message(body: Any) -> Message:
@@ -234,7 +241,12 @@ def parse_message(body: Any) -> Message:
     if not is_index(numel) or not isinstance(data, bytes):
         raise BadMessage(f"{code.name} needs an int 'numel' ≥ 0 and bytes 'data'")
     if code == Code.AVERAGE:
-        return Average(round_id, members, pace, numel, data)
+        means, codec = body.get("means", []), body.get("codec", "")  # absent: an older peer's, fp32
+        if not isinstance(means, list) or not all(isinstance(m, bytes) for m in means):
+            raise BadMessage("AVERAGE's 'means' must be a list of bytes")
+        if means and (len(means) != len(members) or data or codec not in CODEC_NAMES):
+            raise BadMessage("AVERAGE's 'means' need one per member, a known 'codec' and no 'data'")
+        return Average(round_id, members, pace, numel, data, tuple(means), codec if means else "")
     index = body.get("index")
     if not is_index(index) or index >= len(members):
         raise BadMessage(f"{code.name} needs an int 'index' below the number of members")

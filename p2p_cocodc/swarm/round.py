@@ -49,7 +49,6 @@ from p2p_cocodc.swarm.messages import (
     StatusReply,
 )
 from p2p_cocodc.swarm.round_events import (
-    EXACT,
     Accuse,
     BoardPeer,
     Completed,
@@ -72,6 +71,7 @@ from p2p_cocodc.swarm.round_events import (
     Start,
     Undecided,
     ViewChanged,
+    average_reply,
     leader_rank,
     settled_answer,
     short,
@@ -388,7 +388,7 @@ class RoundMachine:
             if msg.numel != self.vector.numel():
                 return
             self.jobs_out.add("decode")
-            out.append(Compute(Job("decode", (msg.data, msg.numel, msg.members, msg.pace, sender))))
+            out.append(Compute(Job("decode", (msg, sender))))
 
     def _on_fetch(self, sender: str, msg: Fetch, now: float, out: list[Effect]) -> None:
         self.gave_up.add(sender)  # it will not join: a leader stops waiting for it
@@ -396,10 +396,7 @@ class RoundMachine:
         if msg.members and self.members is None:
             self._learn(sender, msg.members, msg.pace, now, out, f"from a FETCH of {short(sender)}")
         if isinstance(self.outcome, Completed):
-            done, average = self.outcome, self.outcome.average
-            reply: Message = Average(
-                self.round_id, done.members, done.pace, average.numel(), EXACT.encode(average)
-            )
+            reply = average_reply(self.round_id, self.outcome, self.results, self.codec)
             self._send(out, sender, reply, now, expect=False)
         elif self.outcome is not None or self.phase == Phase.RECOVERING:
             self._reply_settled(out, sender, now, msg.ask)
@@ -450,7 +447,8 @@ class RoundMachine:
             return
         if kind == "decode":
             if self.phase == Phase.RECOVERING and event.error is None:
-                _, _, members, pace, sender = event.job.inputs
+                msg, sender = event.job.inputs
+                members, pace = msg.members, msg.pace
                 assert isinstance(event.value, torch.Tensor)
                 ours = members == self.members and self.me in self.results  # our slice's mean is in it
                 kept = (self.screened_out, self.cosines) if ours else ((), ())  # so its screening counts

@@ -10,13 +10,13 @@ from enum import Enum
 
 import torch
 
-from p2p_cocodc.algorithms.butterfly import assemble, encode_slices, reduce_slice
+from p2p_cocodc.algorithms.butterfly import assemble, encode_slices, reduce_slice, slice_sizes
 from p2p_cocodc.algorithms.codecs import Codec, get_codec
 from p2p_cocodc.errors import UserError
-from p2p_cocodc.swarm.messages import Members, Message, Status
+from p2p_cocodc.swarm.messages import Average, Members, Message, Status
 from p2p_cocodc.swarm.wire import SLOWEST_LINK_MBPS
 
-EXACT = get_codec("fp32")  # averages served to a recovering peer: bit-exact
+EXACT = get_codec("fp32")  # an average served to a recovering peer where it has no slice means
 
 
 # ---- deadlines: every timeout of the protocol, in one place ----
@@ -228,12 +228,27 @@ def run_job(job: Job, codec: Codec) -> Computed:
         elif job.kind == "assemble":
             means, sizes = job.inputs
             value = assemble(means, sizes, codec)
-        else:
-            data, numel = job.inputs[:2]  # decode: (data, numel, members, pace, sender)
-            value = EXACT.decode(data, numel)
+        else:  # decode an AVERAGE: (the message, its sender)
+            msg: Average = job.inputs[0]
+            if msg.means and msg.codec != codec.name:
+                raise UserError(f"an average in {msg.codec}, where this round's codec is {codec.name}")
+            sizes = slice_sizes(msg.numel, len(msg.members), codec.block)
+            value = assemble(msg.means, sizes, codec) if msg.means else EXACT.decode(msg.data, msg.numel)
     except UserError as exc:
         return Computed(job, error=str(exc))
     return Computed(job, value)
+
+
+def average_reply(round_id: str, done: Completed, results: Mapping[str, bytes], codec: Codec) -> Average:
+    """The AVERAGE a peer that completed a round answers a FETCH with: the members' slice means as
+    their RESULTs carried them, of which ``assemble`` makes the same average (1/14 of fp32's bytes
+    in q2), where it holds all of them (it took part in the butterfly); else the average in fp32."""
+    peers = [p for p, _ in done.members]
+    numel = done.average.numel()
+    if done.by_butterfly and len(peers) > 1 and all(p in results for p in peers):
+        means = tuple(results[p] for p in peers)
+        return Average(round_id, done.members, done.pace, numel, b"", means, codec.name)
+    return Average(round_id, done.members, done.pace, numel, EXACT.encode(done.average))
 
 
 @dataclass
