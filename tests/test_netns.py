@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,15 @@ from tests.netns import (
     thin_network,
     wan_network,
 )
-from tests.swarm_procs import busy_core, end_group, records, run_cli, spawn, start_bootstrap
+from tests.swarm_procs import (
+    busy_core,
+    end_group,
+    records,
+    run_cli,
+    sigkill_like_a_crash,
+    spawn,
+    start_bootstrap,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -333,4 +342,74 @@ def test_a_joiner_takes_a_state_its_link_needs_longer_than_a_message_deadline_fo
         assert took["exact"] and took["bytes"] == int(2.5 * 2**20)
         # it really went through the narrow link (2.5 MiB at 0.5 Mbit/s is 42 s), not around it
         assert took["seconds"] > 30, took
+    assert leftovers(net.suffix) == []
+
+
+# three nano peers over 1 Mbit/s links, declared: their state (θ̄ and the outer momentum, 0.9 MB)
+# takes about 15 s to arrive, 300 of their steps (at least 50 ms each)
+CATCH_UP = [
+    "--algo",
+    "cocodc",
+    "--model",
+    "nano",
+    "--tokenizer",
+    "byte",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+]
+CATCH_UP += ["--workers", "3", "--steps", "1200", "--inner-steps", "24", "--fragments", "2", "--overlap", "12"]
+CATCH_UP += ["--eval-every", "96", "--eval-batches", "2", "--threads", "1"]
+CATCH_UP += ["--bandwidth-mbps", "1", "--latency-ms", "50"]
+
+
+def test_a_peer_back_over_a_thin_link_catches_up_untrained_and_no_round_waits_for_it(tmp_path: Path) -> None:
+    """Peer 2 is SIGKILLed mid-run and started again (same --identity). Over its 1 Mbit/s link the
+    swarm's state takes seconds to arrive, and the swarm trains on meanwhile: the peer is far behind
+    when it has it. Before, it trained from there as a member, and every round waited for it to
+    reach the swarm (on `thin`, 113 s behind: minutes, round after round). Now it catches up: it
+    fetches the averages of the rounds it missed, untrained and in no round's group, then trains
+    with the swarm from the step it reached. Every peer ends with one θ̄, which `simulate --events`
+    reproduces from peer 0's records (its join record is the step it began to train at)."""
+    with thin_network(3, 1.0, rtt_ms=100) as net:
+        boot = start_bootstrap(tmp_path, net.switch_address, net.prefix(net.switch))
+        options = [*CATCH_UP, "--min-step-time", "0.05"]
+        peers, argv = [], []
+        try:
+            for node in net.nodes:
+                i = node.index
+                args = ["join", "--bootstrap", boot.host_port, "--host", node.address, "--run-id", "back"]
+                args += ["--shard", f"{i}/3", "--identity", f"peer{i}.id", *options, "--verbose"]
+                argv.append(args)
+                peers.append(
+                    spawn([*args, "--out", f"peer{i}.jsonl"], tmp_path, f"peer{i}.log", net.prefix(node))
+                )
+            deadline = time.monotonic() + 180
+            while len([r for r in settled_rounds(tmp_path / "peer0.jsonl") if r["completed"]]) < 3:
+                assert peers[0].poll() is None and time.monotonic() < deadline, "no rounds settled"
+                time.sleep(0.2)
+            sigkill_like_a_crash(peers[2].pid)
+            end_group(peers[2])
+            back = [*argv[2], "--out", "back.jsonl"]
+            peers[2] = spawn(back, tmp_path, "back.log", net.prefix(net.nodes[2]))
+            codes = [peer.wait(timeout=300) for peer in peers]
+        finally:
+            for proc in [*peers, boot.proc]:
+                end_group(proc)
+        logs = "\n".join((tmp_path / name).read_text() for name in ("peer0.log", "peer1.log", "back.log"))
+        assert codes == [0, 0, 0], logs[-6000:]
+        outs = [records(tmp_path / name) for name in ("peer0.jsonl", "peer1.jsonl", "back.jsonl")]
+        assert len({out[-1]["global_params_sha256"] for out in outs}) == 1, logs[-6000:]
+        took = re.search(r"took the swarm's state at the end of step (\d+).*catches up", logs)
+        caught = re.search(r"caught up with the swarm at the end of step (\d+)", logs)
+        assert took and caught and int(caught[1]) > int(took[1]), logs[-6000:]
+        # it began to train at the step it caught up at, and no round in between counted on it
+        joins = [r["step"] for r in outs[0] if r["kind"] == "join" and r["shard"] == 2]
+        assert int(caught[1]) in joins, joins
+        between = [
+            r for r in outs[0] if r["kind"] == "round" and int(took[1]) < sent_step(r) <= int(caught[1])
+        ]
+        assert between and all(2 not in r["members"] for r in between), between
+        assert_replayed(tmp_path, CATCH_UP, outs[0][-1])
     assert leftovers(net.suffix) == []

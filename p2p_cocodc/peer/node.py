@@ -47,7 +47,7 @@ from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap
 from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.records import Board, PeerRecord, peers_key
 from p2p_cocodc.swarm.run_options import fingerprint, option_view
-from p2p_cocodc.swarm.state_transfer import StateServer, StateUnavailable, pull_state
+from p2p_cocodc.swarm.state_transfer import Pulled, StateServer, StateUnavailable, pull_state
 from p2p_cocodc.swarm.trust import Membership, check_identity
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class Lifecycle(enum.StrEnum):
 # Every transition a peer makes; anything else is a bug of ours (``Peer._become``).
 TRANSITIONS: dict[Lifecycle, frozenset[Lifecycle]] = {
     Lifecycle.WAITING: frozenset({Lifecycle.TRAINING, Lifecycle.JOINING}),
-    Lifecycle.JOINING: frozenset({Lifecycle.TRAINING, Lifecycle.JOINING, Lifecycle.LEAVING}),
+    # DONE: the run ended while it caught up with the swarm (``SwarmReplica.catching_up``)
+    Lifecycle.JOINING: frozenset({Lifecycle.TRAINING, Lifecycle.JOINING, Lifecycle.LEAVING, Lifecycle.DONE}),
     # back to WAITING: a peer of the starting set left before step 1 (``lobby.Left``)
     Lifecycle.TRAINING: frozenset({Lifecycle.WAITING, Lifecycle.JOINING, Lifecycle.LEAVING, Lifecycle.DONE}),
     # a signal arrives while a sync that decides it must take the state again is settled
@@ -125,6 +126,9 @@ def saved_shape(state: dict[str, Any], otherwise: tuple[int, int]) -> tuple[int,
     return tau, n
 
 
+# a joiner further behind the swarm than this many seconds of its steps catches up untrained
+# (``SwarmReplica.catching_up``) instead of training as a member that every round would wait for
+CATCH_UP_S = 5.0
 LOBBY_LOOK_S = 0.25  # how often a peer in the lobby reads the board (the heartbeat: once a second)
 
 
@@ -624,34 +628,46 @@ class Peer:
         try:
             # a donor may take minutes to answer (it waits to reach the step asked, or it is stopped):
             # a signal must not wait for it
-            pull = pull_state(
-                self.p2p,
-                self.opts.run_id,
-                self.fingerprint,
-                donors,
-                ahead,
-                step_time,
-                self.cfg.steps,
-                link_mbps=self.cfg.bandwidth_mbps,
-            )
+            run = (self.p2p, self.opts.run_id, self.fingerprint)
+            pull = pull_state(*run, donors, ahead, step_time, self.cfg.steps, self.cfg.bandwidth_mbps)
             pulled = await unless_stopped(pull, stop, lambda: self._check_stop(stop, where))
         except StateUnavailable as exc:
             raise UserError(f"could not take the swarm's state in run {self.opts.run_id!r}: {exc}") from None
         if joining:  # a peer taking the state again may take the run's last one: it ends with the swarm's θ̄
             lobby.check_steps_left(pulled.step, self._seat())
         replica.join_from(pulled.state, pulled.step)
+        if took_state(pulled, len(replica.pending), presence.swarm_step()):
+            replica.catching_up = self._caught_up
+            return
         await self._become(Lifecycle.TRAINING)
         self._record_join(self.peer_id, replica.joined_at)
-        log.warning(
-            "took the swarm's state at the end of step %d from %d donors (%s): %.1f MB in %.1f s; "
-            "fetching the %d syncs in flight",
-            pulled.step,
-            len(pulled.donors),
-            ", ".join(d[:12] for d in pulled.donors),
-            pulled.num_bytes / 1e6,
-            pulled.seconds,
-            len(replica.pending),
-        )
+
+    async def _caught_up(self) -> None:
+        """A joiner that was catching up has reached the swarm's step: from now on it trains with it."""
+        await self._become(Lifecycle.TRAINING)
+        self._record_join(self.peer_id, self.replica.joined_at)
+
+
+def took_state(pulled: Pulled, in_flight: int, swarm: tuple[int, float] | None) -> bool:
+    """Say that this peer took the swarm's state; whether it is far enough behind the swarm
+    (``swarm``: its furthest step and step time, ``Presence.swarm_step``) to catch up untrained."""
+    took = (
+        f"took the swarm's state at the end of step {pulled.step} from {len(pulled.donors)} donors "
+        f"({', '.join(d[:12] for d in pulled.donors)}): {pulled.num_bytes / 1e6:.1f} MB in "
+        f"{pulled.seconds:.1f} s; fetching the {in_flight} syncs in flight"
+    )
+    lead, step_s = (swarm[0] - pulled.step, swarm[1]) if swarm is not None else (0, 0.0)
+    if lead * step_s <= CATCH_UP_S:
+        log.warning("%s", took)
+        return False
+    log.warning(
+        "%s. The swarm is %d steps (%.0f s) further: this peer catches up on its rounds' averages, "
+        "untrained and counted on by no round, and trains with it from the step it reaches it",
+        took,
+        lead,
+        lead * step_s,
+    )
+    return True
 
 
 def first_step_time(setup: TrainingSetup, step_time: float | None, min_step_s: float) -> float | None:

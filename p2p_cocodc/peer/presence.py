@@ -200,6 +200,21 @@ class Presence:
         ]
         return min(times, default=0.0)
 
+    def swarm_step(self) -> tuple[int, float] | None:
+        """The furthest step a training peer of this run (not this one) publishes, and the slowest
+        step time among them: where a joiner catches up to (``SwarmReplica.catching_up``); None
+        when no such peer is on the board (a joiner then goes on catching up: training alone, it
+        would average rounds the swarm completed without it)."""
+        others = [r for p, r in self.view.items() if p != self.peer_id and self.same_run(r)]
+        training = [r for r in others if r.state == "training"]
+        if not training:
+            return None
+        return max(r.step for r in training), max(r.step_time_s for r in training)
+
+    def run_finished(self) -> bool:
+        """A peer of this run says it is done: the run has ended (or is ending)."""
+        return any(p != self.peer_id and self.same_run(r) and r.state == "done" for p, r in self.view.items())
+
     def name_of(self, peer: str) -> str:
         """Another peer as operators see it: the region its record names, else its peer id's start."""
         record = self.view.get(peer)

@@ -135,6 +135,8 @@ class SwarmReplica:
         self.records = Records(None)  # the run's records (the peer gives it its own): a checkpoint holds them
         self.stop = asyncio.Event()
         self.take_state: Callable[[], Awaitable[None]] | None = None
+        # a joiner far behind the swarm (``catch_up``): what to call once it has reached it
+        self.catching_up: Callable[[], Awaitable[None]] | None = None
         self.on_step: Callable[[], None] = lambda: None
         self.peer_id = ""
         self.stopped_by: str | None = None  # the signal that stopped the peer, if one did
@@ -267,7 +269,7 @@ class SwarmReplica:
         payloads they had (θ̄_p has not moved since the send: Δ_p = θ̄_p − snapshot_p)."""
         for p, sync in self.strategy.in_flight.items():
             vector = self.strategy.outer_gradient(p, sync.snapshot.cpu())  # type: ignore[attr-defined]
-            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, vector, self._pace_wish()))
+            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, vector, pace_wish(self)))
 
     def cancel_syncs(self) -> None:
         for task in self.pending.values():
@@ -297,10 +299,21 @@ class SwarmReplica:
         assert self.presence is not None
         self.presence.check()
         self.presence.check_split()
+        swarm = self.presence.swarm_step() if self.catching_up is not None else None
+        if self.catching_up is not None and swarm is None and self.presence.run_finished():
+            raise UserError(not_caught_up(self, "finished"))
+        if self.catching_up is not None and swarm is not None and swarm[0] <= self.step:
+            caught_up, self.catching_up = self.catching_up, None
+            log.warning("caught up with the swarm at the end of step %d: trains with it from here", self.step)
+            # θ ← θ̄, a fresh AdamW, the syncs in flight fetched: what a joiner taking the state now holds
+            self.join_from(self.shared_state(), self.step)
+            await caught_up()
 
     async def train_step(self, step: int) -> float | torch.Tensor | None:
         """One inner step, or None on a step this region's share leaves out (``--inner-share``)."""
         assert self.data is not None
+        if self.catching_up is not None:
+            return None
         if self.presence is not None and self.share.choose(self.presence.fastest_step_s):
             log.info("trains %s from step %d (--inner-share auto)", self.share, step)
         if not self.share.trains(step):
@@ -365,10 +378,15 @@ class SwarmReplica:
         taken (on the device); its copy to the host, the outer gradient, the exchange and the outer
         step the result leads to run in the sync's task (``_sync``)."""
         started = time.perf_counter()
+        if self.catching_up is not None:  # no round counts on it yet: it only takes the average
+            self.strategy.send(p, step)  # type: ignore[attr-defined]
+            size = torch.zeros_like(self.strategy.outer[p].global_params)  # type: ignore[attr-defined]
+            self.pending[p] = asyncio.create_task(self._round(p, step, size, pace=None))
+            return
         if self.region is not None:  # an fsdp region gathers the fragment from its ranks' shards
             self.region.collect(self.strategy.fragments[p].params, self.trainer.model)
         snapshot = self.trainer.placement.to_host(self.strategy.send(p, step))  # type: ignore[attr-defined]
-        self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, self._pace_wish(), started))
+        self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, pace_wish(self), started))
         self.boundary_s += time.perf_counter() - started
 
     async def _sync(self, p: int, step: int, snapshot: HostCopy, pace: int, sent_at: float) -> PreparedResult:
@@ -405,29 +423,6 @@ class SwarmReplica:
         )
         self.metrics.round_seconds.observe(time.perf_counter() - started)
         return await asyncio.to_thread(strategy.prepare, p, averaged)  # type: ignore[attr-defined]
-
-    def _pace_wish(self) -> int:
-        """The send-slot spacing this peer's link keeps up with (0: none, or --pace fixed): each
-        round's group takes the largest its members ask for. The link's busy time per round and the
-        time a sync takes to land are measured (``LinkMeter``) on the rounds of the codec a sync
-        sent now takes, else on those of the run's other codec (``SyncCodecs``), scaled by their
-        bytes; until a delivery was acknowledged, the busy time is what the declared link
-        (--bandwidth-mbps) would take for a round's bytes."""
-        assert self.exchange is not None
-        if self.pace == "fixed" or self.strategy.send_spacing() is None:
-            return 0
-        link, now, codecs = self.exchange.link, self.strategy.next_codec(), self.setup.codecs.all()  # type: ignore[attr-defined]
-
-        def round_cost(codec: Codec) -> RoundCost:
-            measured = link.round_s(codec, [now, *codecs], self.round_bytes)
-            busy = measured or declared_busy_s(self.round_bytes(codec), self.cfg.bandwidth_mbps)
-            return RoundCost(busy, link.landing_s(codec, [now, *codecs], self.round_bytes))
-
-        # measured over enough rounds to narrow: their landings, and their deliveries where any was
-        # bulk (a round of small payloads has none: its link time stays the declared one)
-        landed, timed = link.landed_rounds(now.name), link.rounds(now.name)
-        settled = landed >= NARROW_AFTER_ROUNDS and (not timed or timed >= NARROW_AFTER_ROUNDS)
-        return self.strategy.pace_wish(round_cost, self.step_time_s, settled)
 
     async def apply(self, p: int, step: int) -> bool:
         assert self.exchange is not None and self.presence is not None
@@ -602,12 +597,46 @@ async def finish_syncs(replica: SwarmReplica, stopping: bool) -> None:
             )
 
 
+def pace_wish(replica: SwarmReplica) -> int:
+    """The send-slot spacing this peer's link keeps up with (0: none, or --pace fixed): each
+    round's group takes the largest its members ask for. The link's busy time per round and the
+    time a sync takes to land are measured (``LinkMeter``) on the rounds of the codec a sync
+    sent now takes, else on those of the run's other codec (``SyncCodecs``), scaled by their
+    bytes; until a delivery was acknowledged, the busy time is what the declared link
+    (--bandwidth-mbps) would take for a round's bytes."""
+    assert replica.exchange is not None
+    if replica.pace == "fixed" or replica.strategy.send_spacing() is None:
+        return 0
+    link, now, codecs = replica.exchange.link, replica.strategy.next_codec(), replica.setup.codecs.all()  # type: ignore[attr-defined]
+
+    def round_cost(codec: Codec) -> RoundCost:
+        measured = link.round_s(codec, [now, *codecs], replica.round_bytes)
+        busy = measured or declared_busy_s(replica.round_bytes(codec), replica.cfg.bandwidth_mbps)
+        return RoundCost(busy, link.landing_s(codec, [now, *codecs], replica.round_bytes))
+
+    # measured over enough rounds to narrow: their landings, and their deliveries where any was
+    # bulk (a round of small payloads has none: its link time stays the declared one)
+    landed, timed = link.landed_rounds(now.name), link.rounds(now.name)
+    settled = landed >= NARROW_AFTER_ROUNDS and (not timed or timed >= NARROW_AFTER_ROUNDS)
+    return replica.strategy.pace_wish(round_cost, replica.step_time_s, settled)
+
+
+def not_caught_up(replica: SwarmReplica, ended: str) -> str:
+    """The line for a run that ``ended`` while this peer still caught up with the swarm."""
+    return (
+        f"the run {ended} before this peer caught up with the swarm (from step {replica.joined_at}, where "
+        f"it took the state, to step {replica.step}): it trained no step with it"
+    )
+
+
 def failure_at_end(replica: SwarmReplica, failure: str | None) -> str | None:
     """Why the run failed: the loop's reason, or, for a run that reached --steps though none of its
-    syncs completed (too few failed in a row for ``SyncsFailing``), that it never trained with the
-    swarm: such a run must not report success."""
+    syncs completed (too few failed in a row for ``SyncsFailing``), or still catching up with the
+    swarm, that it never trained with the swarm: such a run must not report success."""
     assert replica.exchange is not None
     stats = replica.exchange.stats
+    if failure is None and replica.catching_up is not None:
+        return not_caught_up(replica, "ended")
     if (
         failure is None
         and replica.step >= replica.cfg.steps

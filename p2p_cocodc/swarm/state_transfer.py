@@ -516,7 +516,8 @@ async def _download(
                 chunks[index] = data
             else:
                 failures[donor] += 1
-                log.warning("chunk %d of the state from %s was bad or missing", index, donor[:12])
+                why = answer if isinstance(answer, str) else str(answer.get("detail", "a wrong hash"))[:200]
+                log.warning("chunk %d of the state from %s was bad or missing (%s)", index, donor[:12], why)
                 todo.put_nowait(index)
 
     await asyncio.gather(*(worker(d) for d in donors for _ in range(STREAMS_PER_DONOR)))
