@@ -347,21 +347,10 @@ def test_a_joiner_takes_a_state_its_link_needs_longer_than_a_message_deadline_fo
 
 # three nano peers over 1 Mbit/s links, declared: their state (θ̄ and the outer momentum, 0.9 MB)
 # takes about 15 s to arrive, 300 of their steps (at least 50 ms each)
-CATCH_UP = [
-    "--algo",
-    "cocodc",
-    "--model",
-    "nano",
-    "--tokenizer",
-    "byte",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-]
-CATCH_UP += ["--workers", "3", "--steps", "1200", "--inner-steps", "24", "--fragments", "2", "--overlap", "12"]
-CATCH_UP += ["--eval-every", "96", "--eval-batches", "2", "--threads", "1"]
-CATCH_UP += ["--bandwidth-mbps", "1", "--latency-ms", "50"]
+CATCH_UP = ["--algo", "cocodc", "--model", "nano", "--tokenizer", "byte", "--seq-len", "32"]
+CATCH_UP += ["--batch-size", "4", "--workers", "3", "--steps", "1200", "--inner-steps", "24"]
+CATCH_UP += ["--fragments", "2", "--overlap", "12", "--eval-every", "96", "--eval-batches", "2"]
+CATCH_UP += ["--threads", "1", "--bandwidth-mbps", "1", "--latency-ms", "50"]
 
 
 def test_a_peer_back_over_a_thin_link_catches_up_untrained_and_no_round_waits_for_it(tmp_path: Path) -> None:
