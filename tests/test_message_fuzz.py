@@ -46,6 +46,8 @@ field_names = st.sampled_from(
         "detail",
         "means",
         "codec",
+        "observer",
+        "average",
     ]
 )
 bodies = st.dictionaries(field_names, values, max_size=8) | st.builds(
@@ -87,14 +89,17 @@ def test_arbitrary_maps_are_a_message_or_one_bad_message_error(body: dict) -> No
     assert parse_message(message.to_wire()) == message  # what we accept, we could have sent
 
 
-def test_an_average_is_slice_means_in_a_known_codec_one_per_member_or_fp32_data() -> None:
+def test_an_average_is_slice_means_in_a_known_codec_one_per_member_or_fp32_data_and_asked_of_one() -> None:
     members = [["peer-a", 0], ["peer-b", 1]]
     base = {"code": int(Code.AVERAGE), "round": "f0:5", "members": members, "pace": 0, "numel": 8}
     means = {**base, "data": b"", "means": [b"ab", b"cd"], "codec": "q2"}
     assert parse_message(parse_message(means).to_wire()) == parse_message(means)
     older = parse_message({**base, "data": bytes(32)})  # no means: fp32, as an older peer sends it
     assert older.means == () and older.codec == ""  # type: ignore[attr-defined]
+    fetch = {"code": int(Code.FETCH), "round": "f0:5", "ask": 1, "members": [], "pace": 0, "observer": False}
+    assert parse_message(fetch).average and not parse_message({**fetch, "average": False}).average  # type: ignore[attr-defined]
     for bad, what in (
+        ({**fetch, "average": 1}, "'average' must be a bool"),
         ({**means, "means": [b"ab"]}, "one per member"),
         ({**means, "codec": "zip"}, "known 'codec'"),
         ({**means, "data": b"x"}, "no 'data'"),

@@ -12,7 +12,7 @@ import torch
 
 from p2p_cocodc.algorithms.butterfly import slice_sizes
 from p2p_cocodc.algorithms.codecs import get_codec
-from p2p_cocodc.swarm.messages import Code, Group, Message, Part, payload_bytes
+from p2p_cocodc.swarm.messages import Code, Group, Message, Part, Status, payload_bytes
 from p2p_cocodc.swarm.round import RoundMachine
 from p2p_cocodc.swarm.round_events import (
     Accuse,
@@ -143,10 +143,12 @@ def test_the_group_takes_the_largest_pace_its_members_ask_for_and_so_does_a_late
 
 
 def test_a_late_fetcher_takes_the_average_as_the_members_slice_means_bit_for_bit() -> None:
-    # C is too late for the group of A and B (q2): the AVERAGE it is answered with carries the two
-    # slice means A's and B's RESULTs carried, not fp32 (16 times the bytes on a thin link, where a
-    # peer catching up fetches one a round), and C assembles the members' average from them, bit
-    # for bit; a peer that holds no slice means (C itself, which fetched) answers in fp32
+    # C is too late for the group of A and B (q2): it asks one of them for the average (the first
+    # in line to lead) and the other only whether it holds it (HOLDS), so the average crosses C's
+    # link once, not once per holder; the AVERAGE carries the two slice means A's and B's RESULTs
+    # carried, not fp32 (16 times the bytes on a thin link, where a peer catching up fetches one a
+    # round), and C assembles the members' average from them, bit for bit; a peer that holds no
+    # slice means (C itself, which fetched) answers in fp32
     net = Net({A: [B, C], B: [A, C], C: [A, B]}, codec="q2")
     g = torch.Generator().manual_seed(0)
     net.start(A, torch.randn(4096, generator=g))
@@ -158,7 +160,10 @@ def test_a_late_fetcher_takes_the_average_as_the_members_slice_means_bit_for_bit
     assert isinstance(taken, Completed) and not taken.by_butterfly and isinstance(members, Completed)
     assert torch.equal(taken.average.view(torch.int32), members.average.view(torch.int32))
     averages = [m for _, to, m in net.sent if m.code == Code.AVERAGE and to == C]
-    assert averages and all(m.codec == "q2" and not m.data and len(m.means) == 2 for m in averages)
+    assert len(averages) == 1 and averages[0].codec == "q2" and not averages[0].data, averages
+    assert len(averages[0].means) == 2
+    holds = [m for _, to, m in net.sent if m.code == Code.STATUS and to == C and m.status == Status.HOLDS]
+    assert len(holds) == 1, net.sent
     assert all(payload_bytes(m) < 4 * 4096 / 8 for m in averages)  # q2: 2 bits and a scale per 64
     assert average_reply(ROUND, taken, {}, net.codec).data == taken.average.numpy().tobytes()
 

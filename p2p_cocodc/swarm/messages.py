@@ -14,7 +14,7 @@ type-checked and bounded, and anything else is a ``BadMessage`` naming what was 
 | PART | members, pace, index, numel, data, trained, window | my slice ``index``, for its owner (†) |
 | RESULT | members, pace, index, numel, data | the owner's encoded mean of slice ``index`` |
 | ACK | kind, index | a PART or RESULT arrived |
-| FETCH | ask, members, pace, observer | "give me the average" (a left-out or failed member; an observer) |
+| FETCH | ask, members, pace, observer, average | "give me the average" (``average`` false: "hold it?") |
 | AVERAGE | members, pace, numel, data, means, codec | the round's average (‡) |
 | STATUS | status, detail, ask | where the round stands here, when that is the whole answer (see ``Status``) |
 | BYE | | the sender is leaving the run (round "-"): it joins no new group, finishes what it is in |
@@ -66,6 +66,7 @@ class Status(IntEnum):
     FAILED = 3  # settled without an average: it will never apply this round
     GONE = 4  # it completed the round long ago and no longer holds the average
     REFUSED = 5  # the message was refused (wrong config, not a peer of this run, too many rounds)
+    HOLDS = 6  # it completed the round and holds the average (to a FETCH that did not ask for it)
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,14 @@ class Fetch(Message):
     members: Members = ()  # the asker's group of the round, if it has one
     pace: int = 0  # that group's pace
     observer: bool = False  # the asker only wants the average (it joined the run after the round)
+    average: bool = True  # send the average if you hold it (else say HOLDS): one peer at a time is asked
     code: ClassVar[Code] = Code.FETCH
 
     def fields(self) -> dict[str, Any]:
         members = [list(m) for m in self.members]
-        return {"ask": self.ask, "members": members, "pace": self.pace, "observer": self.observer}
+        return {"ask": self.ask, "members": members, "pace": self.pace, "observer": self.observer} | (
+            {} if self.average else {"average": False}
+        )
 
 
 @dataclass(frozen=True)
@@ -217,11 +221,14 @@ def parse_message(body: Any) -> Message:
         return Leader(round_id, _peer_id(body.get("leader"), "leader"))
     if code == Code.FETCH:
         ask, members, observer = body.get("ask"), body.get("members"), body.get("observer")
+        average = body.get("average", True)  # absent: an older peer's, which always asks for it
         if not is_index(ask) or not isinstance(members, list) or not isinstance(observer, bool):
             raise BadMessage(
                 "FETCH needs an int 'ask', a 'members' list (empty without a group) and a bool 'observer'"
             )
-        return Fetch(round_id, ask, parse_members(members) if members else (), _pace(body), observer)
+        if not isinstance(average, bool):
+            raise BadMessage("FETCH's 'average' must be a bool")
+        return Fetch(round_id, ask, parse_members(members) if members else (), _pace(body), observer, average)
     if code == Code.ACK:
         kind, index = body.get("kind"), body.get("index")
         if kind not in (Code.PART, Code.RESULT) or not is_index(index):

@@ -395,7 +395,9 @@ class RoundMachine:
         self.joins.pop(sender, None)
         if msg.members and self.members is None:
             self._learn(sender, msg.members, msg.pace, now, out, f"from a FETCH of {short(sender)}")
-        if isinstance(self.outcome, Completed):
+        if isinstance(self.outcome, Completed) and not msg.average:
+            self._reply_status(out, sender, Status.HOLDS, "completed: holds the average", now, msg.ask)
+        elif isinstance(self.outcome, Completed):
             reply = average_reply(self.round_id, self.outcome, self.results, self.codec)
             self._send(out, sender, reply, now, expect=False)
         elif self.outcome is not None or self.phase == Phase.RECOVERING:
@@ -710,18 +712,15 @@ class RoundMachine:
                 continue
             rec.answers[peer] = (Status.FAILED, rec.asks)
             rec.last_final_ask = rec.asks
-        pending = []
-        for peer in sorted(asked):
-            status, ask = rec.answers.get(peer, (None, -1))
-            if status in (Status.FAILED, Status.GONE):
-                continue
-            if status == Status.WAITING and ask > rec.last_final_ask:
-                continue
-            pending.append(peer)
-            if self._due(Code.FETCH, peer, now):
+        pending = rec.pending(asked)
+        designated = rec.designate(pending, lambda p: leader_rank(self.round_id, p))
+        for peer in pending:
+            if self._due(Code.FETCH, peer, now) or (peer == designated and peer not in rec.asked_average):
                 rec.asks += 1
                 rec.unanswered_since.setdefault(peer, now)
-                fetch = Fetch(self.round_id, rec.asks, self.members or (), self.pace, observer=self.observer)
+                wants = peer == designated  # the others only say whether they hold it
+                rec.asked_average |= {peer} if wants else set()
+                fetch = Fetch(self.round_id, rec.asks, self.members or (), self.pace, self.observer, wants)
                 self._send(out, peer, fetch, now)
         if "decode" in self.jobs_out:
             return
@@ -757,6 +756,7 @@ class RoundMachine:
             return  # final answers stay final
         rec.unanswered_since.pop(sender, None)
         rec.answers[sender] = (status, self._answered_ask(status, msg.ask))
+        rec.holders |= {sender} if status == Status.HOLDS else set()
         if status in (Status.FAILED, Status.GONE):
             rec.last_final_ask = rec.asks
         elif status == Status.BUSY and previous is not None and previous[0] == Status.WAITING:

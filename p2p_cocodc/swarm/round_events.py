@@ -4,7 +4,7 @@ effects it returns, and the computations it asks for (run by the transport, in a
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -260,6 +260,33 @@ class Recovery:
     last_final_ask: int = 0  # asks sent before the last answer became final; WAITING must be newer
     unanswered_since: dict[str, float] = field(default_factory=dict)  # peer -> oldest FETCH it owes
     since: float = 0.0  # when this peer began to recover
+    holders: set[str] = field(default_factory=set)  # peers that said they hold the average (HOLDS)
+    designated: str | None = None  # the one peer asked to send the average itself
+    asked_average: set[str] = field(default_factory=set)  # peers a FETCH asked for the average
+
+    def pending(self, asked: set[str]) -> list[str]:
+        """The peers of ``asked`` that may still hold the average: no final answer (FAILED, GONE),
+        and no WAITING given after the last final answer came."""
+        return [
+            peer
+            for peer in sorted(asked)
+            if (answer := self.answers.get(peer, (None, -1)))[0] not in (Status.FAILED, Status.GONE)
+            and not (answer[0] == Status.WAITING and answer[1] > self.last_final_ask)
+        ]
+
+    def designate(self, pending: list[str], line: Callable[[str], bytes]) -> str | None:
+        """The one peer of ``pending`` (those that may still hold the average) a FETCH asks to send
+        it; the others only say whether they hold it. Every holder sending it made a peer on a thin
+        link download it once per holder. A peer that said it holds it, else the first in ``line``
+        (to lead the round: the leader of a group most likely completed it); kept until it is no
+        longer pending (silent past ``answer_s``, off the board, or a final answer), or it answered
+        that it holds none yet (BUSY, WAITING) while another said it holds it. Not sooner: its
+        average may be on its way, and a second holder asked would send it twice."""
+        holders = [p for p in pending if p in self.holders]
+        answered = self.answers.get(self.designated or "", (None, 0))[0]
+        if self.designated not in pending or (answered in (Status.BUSY, Status.WAITING) and holders):
+            self.designated = min(holders or pending, key=line, default=None)
+        return self.designated
 
 
 class Phase(Enum):
