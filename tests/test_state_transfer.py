@@ -256,6 +256,34 @@ def test_donors_past_the_step_make_the_joiner_ask_further_ahead(dhts) -> None:
     with_donors(dhts, [sample_state(), sample_state()], body)
 
 
+def test_a_donor_drops_a_copy_no_joiner_downloads_for_a_newer_ask(dhts) -> None:
+    """Donor a keeps being past the asked step, donor b behind it: b copied its state for each ask
+    (steps 2 and 9), which the joiner left for a further step as a was past. b used to refuse the
+    third ("already holds copies of its state for other joiners") and the joiner failed, as a peer
+    coming back on `thin` did; b now drops the oldest copy nobody downloads."""
+
+    async def body(joiner, donors: list[Donor]) -> None:
+        a, b = donors
+        await train_until([a], 6)
+        await train_until([b], 1)
+        pulling = asyncio.ensure_future(
+            pull_state(joiner, "t", "fp", ids(donors), step=2, step_time_s=1e3, last=LAST)
+        )
+        await asked([b], 2)  # a, at 6, said it is past 2
+        await train_until([a], 11)  # past the next ask, 6 + 3, too
+        await train_until([b], 2)
+        await asked([b], 9)
+        await train_until([b], 9)
+        await asked(donors, 14)  # 11 + 3: b holds copies of 2 and 9, which nobody downloads
+        assert 2 not in b.server.snapshots
+        await train_until(donors, 14)
+        pulled = await pulling
+        assert pulled.step == 14 and sorted(pulled.donors) == sorted(ids(donors))
+        assert_same(sample_state(), pulled.state)
+
+    with_donors(dhts, [sample_state(), sample_state()], body)
+
+
 def test_a_joiner_asks_no_step_past_the_runs_last(dhts) -> None:
     """Asked past the run's end (a board step plus a margin), the joiner takes the state at the run's last
     step: a donor never waits for a step its run does not reach."""

@@ -279,6 +279,7 @@ class StateServer:
         self.snapshots: dict[int, asyncio.Future[Snapshot]] = {}
         self.asked_at: dict[int, float] = {}
         self.copied: set[int] = set()  # steps whose state has been copied (the snapshot may be packing)
+        self.served: set[int] = set()  # steps a chunk of which was served: a joiner is downloading them
         self.serving = True
         self.copy_s = 0.0  # training time spent copying the state for joiners (the donor's stall)
         self.served_bytes = 0
@@ -295,9 +296,7 @@ class StateServer:
         """Called after every inner step (apply, send, apply done): copy the state if asked for."""
         now = time.monotonic()
         for old in [s for s, t in self.asked_at.items() if now - t > KEEP_S]:
-            self.asked_at.pop(old)
-            self.snapshots.pop(old, None)
-            self.copied.discard(old)
+            self._drop(old)
         future = self.snapshots.get(step)
         if future is None or step in self.copied:
             return
@@ -369,6 +368,7 @@ class StateServer:
             if index >= len(snapshot.manifest["chunks"]):
                 return self._refuse(f"no chunk {index}")
             self.asked_at[step] = time.monotonic()
+            self.served.add(step)
             data = snapshot.chunk(index)
             self.served_bytes += len(data)
             return {"ok": True, "data": data}
@@ -382,6 +382,11 @@ class StateServer:
                 return self._refuse(f"the run ends at step {self.last_step}")
             if step <= current or step - current > MAX_STEPS_AHEAD:
                 return self._refuse(f"this peer is at step {current}")
+            unserved = sorted(set(self.snapshots) - self.served)
+            if len(self.snapshots) >= MAX_SNAPSHOTS and unserved:
+                # nobody downloads it: a joiner that asked for it moved on (its other donors were
+                # past that step), and its later asks must not find every copy taken
+                self._drop(unserved[0], f"replaced by the state of step {step}")
             if len(self.snapshots) >= MAX_SNAPSHOTS:
                 return self._refuse("this peer already holds copies of its state for other joiners")
             future = self.snapshots[step] = asyncio.get_running_loop().create_future()
@@ -390,10 +395,22 @@ class StateServer:
             snapshot = await asyncio.wait_for(asyncio.shield(future), SNAPSHOT_WAIT_S)
         except TimeoutError:
             return self._refuse(f"this peer did not reach step {step} within {SNAPSHOT_WAIT_S:.0f} s")
+        except StateUnavailable as exc:  # dropped for a newer step's (``_drop``)
+            return self._refuse(str(exc))
         except Exception as exc:  # noqa: BLE001 - packing the copy failed: say so, keep serving
             log.warning("could not pack the state of step %d for a joiner: %s", step, exc)
             return self._refuse(f"this peer could not pack its state of step {step}")
         return {"ok": True, "manifest": snapshot.manifest}
+
+    def _drop(self, step: int, why: str = "") -> None:
+        """Forget the copy of ``step``'s state; a joiner still waiting for it is told ``why``."""
+        future = self.snapshots.pop(step, None)
+        if future is not None and not future.done():
+            future.set_exception(StateUnavailable(why or f"the state of step {step} was dropped"))
+            future.exception()  # retrieved: a joiner may no longer wait for it
+        self.asked_at.pop(step, None)
+        self.copied.discard(step)
+        self.served.discard(step)
 
     def _refuse(self, detail: str) -> dict[str, Any]:
         return {"ok": False, "step": self.current_step(), "detail": detail[:200]}
