@@ -135,7 +135,8 @@ class SwarmReplica:
         self.records = Records(None)  # the run's records (the peer gives it its own): a checkpoint holds them
         self.stop = asyncio.Event()
         self.take_state: Callable[[], Awaitable[None]] | None = None
-        # a joiner far behind the swarm (``catch_up``): what to call once it has reached it
+        # a joiner far behind the swarm (``node.CATCH_UP_S``) catches up untrained: what to call once
+        # it has reached it
         self.catching_up: Callable[[], Awaitable[None]] | None = None
         self.on_step: Callable[[], None] = lambda: None
         self.peer_id = ""
@@ -625,7 +626,7 @@ def not_caught_up(replica: SwarmReplica, ended: str) -> str:
     """The line for a run that ``ended`` while this peer still caught up with the swarm."""
     return (
         f"the run {ended} before this peer caught up with the swarm (from step {replica.joined_at}, where "
-        f"it took the state, to step {replica.step}): it trained no step with it"
+        f"it took the state, to step {replica.step}): it trained no step with it from there"
     )
 
 
