@@ -4,6 +4,7 @@ these schedules once split θ̄ or stalled a run in an earlier version of the ex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable
@@ -147,8 +148,8 @@ def test_a_late_fetcher_takes_the_average_as_the_members_slice_means_bit_for_bit
     # in line to lead) and the other only whether it holds it (HOLDS), so the average crosses C's
     # link once, not once per holder; the AVERAGE carries the two slice means A's and B's RESULTs
     # carried, not fp32 (16 times the bytes on a thin link, where a peer catching up fetches one a
-    # round), and C assembles the members' average from them, bit for bit; a peer that holds no
-    # slice means (C itself, which fetched) answers in fp32
+    # round), and C assembles the members' average from them, bit for bit; C, which fetched them,
+    # serves the same means to a later asker; a peer that holds none answers in fp32
     net = Net({A: [B, C], B: [A, C], C: [A, B]}, codec="q2")
     g = torch.Generator().manual_seed(0)
     net.start(A, torch.randn(4096, generator=g))
@@ -165,7 +166,10 @@ def test_a_late_fetcher_takes_the_average_as_the_members_slice_means_bit_for_bit
     holds = [m for _, to, m in net.sent if m.code == Code.STATUS and to == C and m.status == Status.HOLDS]
     assert len(holds) == 1, net.sent
     assert all(payload_bytes(m) < 4 * 4096 / 8 for m in averages)  # q2: 2 bits and a scale per 64
-    assert average_reply(ROUND, taken, {}, net.codec).data == taken.average.numpy().tobytes()
+    again = average_reply(ROUND, taken, {}, net.codec)
+    assert again.means == averages[0].means and again.codec == "q2" and not again.data
+    in_fp32 = dataclasses.replace(taken, means=())  # an average that came in fp32
+    assert average_reply(ROUND, in_fp32, {}, net.codec).data == taken.average.numpy().tobytes()
 
 
 def test_a_peer_that_led_alone_unseen_is_followed_not_split_from() -> None:

@@ -193,27 +193,30 @@ class Presence:
     def fastest_step_s(self) -> float:
         """The shortest inner step time a training peer of this run publishes (0: none measured yet):
         what ``--inner-share auto`` compares this peer's own with."""
-        times = [
-            r.step_time_s
-            for r in self.view.values()
-            if self.same_run(r) and r.state == "training" and r.step_time_s > 0
-        ]
-        return min(times, default=0.0)
+        training = [*self._others("training").values()]
+        own = self.view.get(self.peer_id)
+        if own is not None and own.state == "training":
+            training.append(own)
+        return min((r.step_time_s for r in training if r.step_time_s > 0), default=0.0)
 
     def swarm_step(self) -> tuple[int, float] | None:
         """The furthest step a training peer of this run (not this one) publishes, and the slowest
         step time among them: where a joiner catches up to (``SwarmReplica.catching_up``); None
         when no such peer is on the board (a joiner then goes on catching up: training alone, it
         would average rounds the swarm completed without it)."""
-        others = [r for p, r in self.view.items() if p != self.peer_id and self.same_run(r)]
-        training = [r for r in others if r.state == "training"]
+        training = self._others("training").values()
         if not training:
             return None
         return max(r.step for r in training), max(r.step_time_s for r in training)
 
     def run_finished(self) -> bool:
         """A peer of this run says it is done: the run has ended (or is ending)."""
-        return any(p != self.peer_id and self.same_run(r) and r.state == "done" for p, r in self.view.items())
+        return bool(self._others("done"))
+
+    def _others(self, *states: str) -> dict[str, PeerRecord]:
+        """The records of this run's other peers on the board in one of ``states``, by peer id."""
+        view = self.view.items()
+        return {p: r for p, r in view if p != self.peer_id and self.same_run(r) and r.state in states}
 
     def name_of(self, peer: str) -> str:
         """Another peer as operators see it: the region its record names, else its peer id's start."""
@@ -232,8 +235,7 @@ class Presence:
                 r.joined_at,
                 r.state == "training",
             )
-            for p, r in self.view.items()
-            if p != self.peer_id and self.same_run(r) and r.state in ("training", "done", "leaving")
+            for p, r in self._others("training", "done", "leaving").items()
         }
         for verdict in self.agreement.compare(others):
             new = [p for p in verdict.disputed if self.disputed.get(p, -1) < verdict.step]

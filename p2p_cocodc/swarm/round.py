@@ -454,7 +454,7 @@ class RoundMachine:
                 assert isinstance(event.value, torch.Tensor)
                 ours = members == self.members and self.me in self.results  # our slice's mean is in it
                 kept = (self.screened_out, self.cosines) if ours else ((), ())  # so its screening counts
-                self._settle(Completed(event.value, members, pace, False, *kept), now, out)
+                self._settle(Completed(event.value, members, pace, False, *kept, msg.means), now, out)
                 out.append(Note(f"round {self.round_id}: took the average {short(sender)} completed"))
             return
         if self.phase != Phase.RUNNING:

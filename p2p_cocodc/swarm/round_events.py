@@ -154,6 +154,7 @@ class Completed:
     by_butterfly: bool  # False: fetched from a peer that completed
     screened_out: tuple[str, ...] = ()  # members this peer left out of its own slice's aggregate
     cosines: tuple[tuple[str, float], ...] = ()  # (member, c_i) at its own slice: its CosineRecord's next
+    means: tuple[bytes, ...] = ()  # fetched: the members' slice means the AVERAGE carried, if it did
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,10 @@ def run_job(job: Job, codec: Codec) -> Computed:
             msg: Average = job.inputs[0]
             if msg.means and msg.codec != codec.name:
                 raise UserError(f"an average in {msg.codec}, where this round's codec is {codec.name}")
-            sizes = slice_sizes(msg.numel, len(msg.members), codec.block)
-            value = assemble(msg.means, sizes, codec) if msg.means else EXACT.decode(msg.data, msg.numel)
+            if msg.means:
+                value = assemble(msg.means, slice_sizes(msg.numel, len(msg.members), codec.block), codec)
+            else:
+                value = EXACT.decode(msg.data, msg.numel)
     except UserError as exc:
         return Computed(job, error=str(exc))
     return Computed(job, value)
@@ -242,11 +245,14 @@ def run_job(job: Job, codec: Codec) -> Computed:
 def average_reply(round_id: str, done: Completed, results: Mapping[str, bytes], codec: Codec) -> Average:
     """The AVERAGE a peer that completed a round answers a FETCH with: the members' slice means as
     their RESULTs carried them, of which ``assemble`` makes the same average (1/14 of fp32's bytes
-    in q2), where it holds all of them (it took part in the butterfly); else the average in fp32."""
+    in q2), where it holds all of them (it took part in the butterfly, or fetched them so); else
+    the average in fp32."""
     peers = [p for p, _ in done.members]
     numel = done.average.numel()
-    if done.by_butterfly and len(peers) > 1 and all(p in results for p in peers):
+    means = done.means
+    if not means and done.by_butterfly and len(peers) > 1 and all(p in results for p in peers):
         means = tuple(results[p] for p in peers)
+    if means:
         return Average(round_id, done.members, done.pace, numel, b"", means, codec.name)
     return Average(round_id, done.members, done.pace, numel, EXACT.encode(done.average))
 
