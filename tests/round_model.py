@@ -424,7 +424,7 @@ class World:
             asked = max(self.plan.paces.get(p, 0) for p, _ in members)
             if averages[0].pace != asked:
                 return f"the group's pace is {averages[0].pace}, its members asked for at most {asked}"
-            expected, _ = butterfly_mean([self.vectors[p] for p, _ in members], self.codec)
+            expected = butterfly_mean([self.vectors[p] for p, _ in members], self.codec).average
             if not torch.equal(averages[0].average, expected):
                 return f"the average is not the butterfly mean of its members {members}"
         # honest peers agree; the forger's own outcome may differ (its machine ignores the lists

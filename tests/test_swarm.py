@@ -260,6 +260,34 @@ def test_global_parameters_file_loads_into_the_model(tmp_path: Path) -> None:
     assert all(torch.isfinite(t).all() for t in state.values())
 
 
+def test_screening_judges_by_the_rounds_applied_before_the_send_as_the_simulator_does(tmp_path: Path) -> None:
+    """Rounds overlap (τ = 6 steps, a send every 4) and the cosine test is strict (0.9), so slice
+    owners leave honest members out by their earlier cosines. A round is judged by the cosines of the
+    rounds applied before its send, on every peer and in the simulator, whichever rounds happened to
+    have landed when its messages came: the swarm's θ̄ is the simulator's. (Before, a peer judged by
+    the rounds whose results it held when the round opened, and the two ended apart.)"""
+    strict = ["--overlap", "6", "--outlier-cosine", "0.9", "--steps", "48"]
+    boot = start_bootstrap(tmp_path)
+    peers = []
+    try:
+        for i in range(3):
+            args = ["join", "--bootstrap", boot.host_port, "--algo", "cocodc", *TINY, *strict]
+            args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "strict", "--pace", "fixed"]
+            peers.append(spawn(args, tmp_path, f"peer{i}.log"))
+        sim = run_cli(["simulate", "--algo", "cocodc", *TINY, *strict, "--out", "sim.jsonl"], tmp_path, 120)
+        assert sim.returncode == 0, sim.stderr
+        for i, peer in enumerate(peers):
+            assert peer.wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
+    finally:
+        for proc in [*peers, boot.proc]:
+            end_group(proc)
+    simulated = records(tmp_path / "sim.jsonl")
+    left_out = [r for r in simulated if r["kind"] == "exclusion"]
+    assert len(left_out) >= 3, left_out  # the screening was in play, round after round
+    hashes = {records(tmp_path / f"peer{i}.jsonl")[-1]["global_params_sha256"] for i in range(3)}
+    assert hashes == {simulated[-1]["global_params_sha256"]}
+
+
 def test_peers_with_different_options_refuse_to_train_together(tmp_path: Path) -> None:
     boot = start_bootstrap(tmp_path)
     peers = [

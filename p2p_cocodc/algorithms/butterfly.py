@@ -21,6 +21,7 @@ by its own record of each member's earlier cosines).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -72,6 +73,16 @@ def assemble(means: Sequence[bytes], sizes: Sequence[int], codec: Codec) -> torc
     return torch.cat([mean_codec.decode(data, n) for data, n in zip(means, sizes, strict=True)])
 
 
+class ButterflyMean(NamedTuple):
+    """``butterfly_mean``'s outcome: the average, the members (positions) screened out of any slice
+    (ascending), and what each owner j measured: each member's c_i at slice j (empty where nothing
+    was screened), which its ``CosineRecord`` takes once the round is applied."""
+
+    average: torch.Tensor
+    excluded: tuple[int, ...]
+    cosines: tuple[tuple[float, ...], ...]
+
+
 def butterfly_mean(
     vectors: Sequence[torch.Tensor],
     codec: Codec,
@@ -79,14 +90,15 @@ def butterfly_mean(
     owners: Sequence[CosineRecord] | None = None,
     members: Sequence[Hashable] | None = None,
     weights: Sequence[float] = (),
-) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """What every member of a butterfly all-reduce ends with, computed in one process, and the
-    members (positions in ``vectors``) screened out of any slice, ascending. ``owners[j]``: the cosine
-    record of the owner of slice j (member j), which judges and then records ``members`` (ids, in
-    the order of ``vectors``); none: every member is new to every owner, nothing is recorded.
-    ``weights``: each member's share of the window's steps, in the order of ``vectors``."""
+) -> ButterflyMean:
+    """What every member of a butterfly all-reduce ends with, computed in one process. ``owners[j]``:
+    the cosine record of the owner of slice j (member j), by which it judges ``members`` (ids, in the
+    order of ``vectors``); none: every member is new to every owner. Nothing is recorded here: an
+    owner's record takes the round's cosines when the round is applied (a round sent later is judged
+    by the rounds applied before its send, as in a swarm). ``weights``: each member's share of the
+    window's steps, in the order of ``vectors``."""
     if len(vectors) == 1:
-        return vectors[0].clone(), ()
+        return ButterflyMean(vectors[0].clone(), (), ((),))
     count = len(vectors)
     numel = vectors[0].numel()
     sizes = slice_sizes(numel, count, codec.block)
@@ -97,7 +109,6 @@ def butterfly_mean(
         reduced.append(
             reduce_slice([e[j] for e in encoded], sizes[j], codec, aggregation, earlier, None, weights)
         )
-        if owners is not None and members is not None:
-            owners[j].add(members, reduced[j][1].cosines)
     excluded = sorted({i for _, screening in reduced for i in screening.excluded})
-    return assemble([data for data, _ in reduced], sizes, codec), tuple(excluded)
+    cosines = tuple(screening.cosines for _, screening in reduced)
+    return ButterflyMean(assemble([data for data, _ in reduced], sizes, codec), tuple(excluded), cosines)

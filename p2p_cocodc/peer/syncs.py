@@ -46,7 +46,13 @@ from p2p_cocodc.peer.region import Region
 from p2p_cocodc.run.loop import Rejoin, SyncsFailing
 from p2p_cocodc.run.records import Records, params_sha256
 from p2p_cocodc.run.setup import TrainingSetup, allreduce_wire_bytes
-from p2p_cocodc.swarm.exchange import FragmentExchange, RoundFailed, RoundLost, RoundUndecided
+from p2p_cocodc.swarm.exchange import (
+    FragmentExchange,
+    RoundFailed,
+    RoundLost,
+    RoundUndecided,
+    ScreeningMemory,
+)
 from p2p_cocodc.swarm.records import NONE_YET
 from p2p_cocodc.swarm.state_transfer import StateServer
 
@@ -262,15 +268,16 @@ class SwarmReplica:
         self.step = self.joined_at = step
         for p, sync in self.strategy.in_flight.items():
             size = torch.zeros_like(self.strategy.outer[p].global_params)  # type: ignore[attr-defined]
-            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, size, pace=None))
+            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, size, None, None))
         self.failed_in_a_row = 0
 
     def rerun_in_flight(self) -> None:
         """After a whole-swarm resume: run again the syncs in flight at the checkpoint, with the
         payloads they had (θ̄_p has not moved since the send: Δ_p = θ̄_p − snapshot_p)."""
+        pace, memory = pace_wish(self), (self.exchange.screening_memory() if self.exchange else None)
         for p, sync in self.strategy.in_flight.items():
             vector = self.strategy.outer_gradient(p, sync.snapshot.cpu())  # type: ignore[attr-defined]
-            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, vector, pace_wish(self)))
+            self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, vector, pace, memory))
 
     def cancel_syncs(self) -> None:
         for task in self.pending.values():
@@ -358,6 +365,7 @@ class SwarmReplica:
         finally:
             self.stall_s += time.perf_counter() - started
         self._record_round(f"g:{step}", completed=True)
+        self.exchange.applied(f"g:{step}")
         self.strategy.apply_gradients(averaged)
         await self.compute(self.trainer.update, step)
         return loss
@@ -382,36 +390,41 @@ class SwarmReplica:
         if self.catching_up is not None:  # no round counts on it yet: it only takes the average
             self.strategy.send(p, step)  # type: ignore[attr-defined]
             size = torch.zeros_like(self.strategy.outer[p].global_params)  # type: ignore[attr-defined]
-            self.pending[p] = asyncio.create_task(self._round(p, step, size, pace=None))
+            self.pending[p] = asyncio.create_task(self._round(p, step, size, None, None))
             return
         if self.region is not None:  # an fsdp region gathers the fragment from its ranks' shards
             self.region.collect(self.strategy.fragments[p].params, self.trainer.model)
         snapshot = self.trainer.placement.to_host(self.strategy.send(p, step))  # type: ignore[attr-defined]
-        self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, pace_wish(self), started))
+        memory = self.exchange.screening_memory() if self.exchange else None  # of the rounds applied so far
+        self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, pace_wish(self), started, memory))
         self.boundary_s += time.perf_counter() - started
 
-    async def _sync(self, p: int, step: int, snapshot: HostCopy, pace: int, sent_at: float) -> PreparedResult:
+    async def _sync(
+        self, p: int, step: int, snapshot: HostCopy, pace: int, sent_at: float, memory: ScreeningMemory | None
+    ) -> PreparedResult:
         """One fragment sync, off the training thread and the event loop: Δ_p = θ̄_p − θ_p from
         the snapshot's host copy (in a worker thread), the round, then the result prepared for
         ``Strategy.apply`` (the outer step on the CPU, the new θ̄_p copied to the device) so that
         applying it between two steps costs only the merge. How long that took from ``sent_at``
         (the send, ``time.perf_counter``), less the wait for the round's other members, is the
-        sync's landing time (``LinkMeter.landed``)."""
+        sync's landing time (``LinkMeter.landed``). ``memory``: the screening memory at the send."""
         assert self.exchange is not None
         strategy = self.strategy
 
         def outer_gradient() -> torch.Tensor:
             return strategy.outer_gradient(p, snapshot.wait())  # type: ignore[attr-defined]
 
-        prepared = await self._round(p, step, await asyncio.to_thread(outer_gradient), pace)
+        prepared = await self._round(p, step, await asyncio.to_thread(outer_gradient), pace, memory)
         waited = self.exchange.groups[fragment_round(p, step)].arrival_wait_s
         self.exchange.link.landed(strategy.sync_codec(p).name, time.perf_counter() - sent_at - waited)  # type: ignore[attr-defined]
         return prepared
 
-    async def _round(self, p: int, sent_step: int, vector: torch.Tensor, pace: int | None) -> PreparedResult:
-        """The round of fragment p sent after ``sent_step``: with ``vector`` and the ``pace`` this
-        peer asks for, or (``pace`` None: a sync in flight when this peer took the swarm's state)
-        only fetching its average; then the result prepared for ``Strategy.apply``."""
+    async def _round(
+        self, p: int, sent_step: int, vector: torch.Tensor, pace: int | None, memory: ScreeningMemory | None
+    ) -> PreparedResult:
+        """The round of fragment p sent after ``sent_step``: with ``vector``, the ``pace`` this peer
+        asks for and its screening memory at the send, or (``pace`` None: a sync in flight when this
+        peer took the swarm's state) only fetching its average; then it prepared for ``apply``."""
         assert self.exchange is not None
         strategy = self.strategy
         round_id = fragment_round(p, sent_step)
@@ -420,7 +433,7 @@ class SwarmReplica:
         recent = self.share.recent(sent_step)
         codec = strategy.sync_codec(p)  # type: ignore[attr-defined]
         averaged = await self.exchange.allreduce(
-            round_id, vector, sent_step, take_part, pace or 0, recent, codec
+            round_id, vector, sent_step, take_part, pace or 0, recent, codec, memory
         )
         self.metrics.round_seconds.observe(time.perf_counter() - started)
         return await asyncio.to_thread(strategy.prepare, p, averaged)  # type: ignore[attr-defined]
@@ -461,6 +474,7 @@ class SwarmReplica:
             return True
         self.failed_in_a_row = 0
         self._record_round(round_id, completed=True, codec=strategy.sync_codec(p).name)  # type: ignore[attr-defined]
+        self.exchange.applied(round_id)
         was = strategy.send_spacing()
         if self.region is not None:  # the merge reads the fragment's local progress
             self.region.collect(strategy.fragments[p].params, self.trainer.model)

@@ -21,7 +21,7 @@ import copy
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,16 @@ class PendingResult:
     arrives_at: float
     round_id: str = ""
     spacing: int = 0  # the send-slot spacing a replayed round agreed on (0: none)
+    judged: list[Judged] = field(default_factory=list)  # what its slice owners record once it is applied
+
+
+@dataclass
+class Judged:
+    """What the owner of one slice of a round measured: each member's c_i (``CosineRecord.add``)."""
+
+    owner: int  # the owner's data shard
+    members: list[int | str]  # the ids its record knows the members by
+    cosines: list[float]
 
 
 class Simulation:
@@ -223,12 +233,13 @@ class Simulation:
         """The gradient round of ``step`` (False: it failed, as the replayed swarm's did)."""
         strategies = {i: w.strategy for i, w in self.workers.items()}
         payloads = {i: s.gradient_payload() for i, s in strategies.items()}
-        averaged, wire = self._average(f"g:{step}", step, payloads, self.codec)
+        averaged, wire, judged = self._average(f"g:{step}", step, payloads, self.codec)
         if wire < 0:
             raise UserError(f"--events {self.cfg.events} has no record of round g:{step}")
         self._transfer_and_wait(wire)
         if averaged is None:
             return False
+        self._record_cosines(judged)
         for s in strategies.values():
             s.apply_gradients(averaged)
         return True
@@ -317,6 +328,8 @@ class Simulation:
             worker.strategy.join_from(donor.shared_state())  # type: ignore[attr-defined]
             self.workers[i] = worker
             self.cosine_records.pop(i, None)  # its peer's screening memory starts afresh too
+            for pending in self.pending.values():  # what its old replica measured is gone with it
+                pending.judged = [j for j in pending.judged if j.owner != i]
         if shards:
             self.workers = dict(sorted(self.workers.items()))
 
@@ -336,16 +349,17 @@ class Simulation:
 
     def _average(
         self, round_id: str, step: int, payloads: dict[int, torch.Tensor], codec: Codec
-    ) -> tuple[torch.Tensor | None, int]:
-        """A round's aggregate of the payloads by data shard in ``codec`` (None if it failed) and
-        the bytes one replica's link carried; the data shards its slice owners screened out are
-        kept for an exclusion record."""
+    ) -> tuple[torch.Tensor | None, int, list[Judged]]:
+        """A round's aggregate of the payloads by data shard in ``codec`` (None if it failed), the
+        bytes one replica's link carried, and what its slice owners measured, for their records
+        once it is applied; the data shards its slice owners screened out are kept for an
+        exclusion record."""
         try:
             group = self._group(round_id)
         except KeyError:
-            return None, -1
+            return None, -1, []
         if group is None:
-            return None, 0
+            return None, 0, []
         missing = [i for i in group if i not in payloads]
         if missing:
             raise UserError(
@@ -357,12 +371,13 @@ class Simulation:
         # new id is a new member to them)
         ids = [self.events.member(i, step) for i in group] if self.events is not None else group
         weights = [weight(*self.shares[i].recent(step)) for i in group]
-        averaged, excluded = butterfly_mean(
+        averaged, excluded, cosines = butterfly_mean(
             [payloads[i] for i in group], codec, self.aggregation, owners, ids, weights
         )
         if excluded:
             self.exclusions.append((round_id, [group[i] for i in excluded]))
-        return averaged, allreduce_wire_bytes(codec, averaged.numel(), len(group))
+        judged = [Judged(owner, list(ids), list(c)) for owner, c in zip(group, cosines, strict=True) if c]
+        return averaged, allreduce_wire_bytes(codec, averaged.numel(), len(group)), judged
 
     def _cosine_record(self, shard: int) -> CosineRecord:
         if shard not in self.cosine_records:
@@ -376,11 +391,11 @@ class Simulation:
         round_id = f"f{p}:{step}"
         payloads = {i: s.payload(p, step) for i, s in strategies.items()}  # type: ignore[attr-defined]
         codec = next(iter(strategies.values())).sync_codec(p)  # type: ignore[attr-defined]
-        averaged, wire = self._average(round_id, step, payloads, codec)  # the codec its send took
+        averaged, wire, judged = self._average(round_id, step, payloads, codec)  # the codec its send took
         self.bytes_sent += max(wire, 0)
         arrives = self.link.send(self.clock, max(wire, 0))
         missing = round_id if wire < 0 else ""
-        self.pending[p] = PendingResult(averaged, arrives, missing, self._pace(round_id))
+        self.pending[p] = PendingResult(averaged, arrives, missing, self._pace(round_id), judged)
 
     async def apply(self, p: int, step: int) -> bool:
         """Wait (on the virtual clock) for fragment ``p``'s result and apply it on every replica, or
@@ -401,7 +416,13 @@ class Simulation:
                 w.strategy.abandon(p)  # type: ignore[attr-defined]
             else:
                 w.strategy.apply(p, result.averaged, step, spacing=result.spacing)  # type: ignore[attr-defined]
+        self._record_cosines(result.judged)
         return True
+
+    def _record_cosines(self, judged: list[Judged]) -> None:
+        """The owners' records take what they measured in a round being applied."""
+        for j in judged:
+            self._cosine_record(j.owner).add(j.members, j.cosines)
 
     def _write_exclusions(self, step: int) -> None:
         """The exclusion records of the rounds averaged after ``step``."""
@@ -438,7 +459,13 @@ class Simulation:
                 for w in self.workers.values()
             ],
             "pending": [
-                {"fragment": p, "averaged": r.averaged, "arrives_at": r.arrives_at, "spacing": r.spacing}
+                {
+                    "fragment": p,
+                    "averaged": r.averaged,
+                    "arrives_at": r.arrives_at,
+                    "spacing": r.spacing,
+                    "judged": [[j.owner, j.members, j.cosines] for j in r.judged],
+                }
                 for p, r in self.pending.items()
             ],
             "train_losses": list(self.train_losses),
@@ -468,7 +495,9 @@ class Simulation:
             spacing = result["spacing"]
             if not isinstance(spacing, int) or spacing < 0:
                 raise ValueError(f"the spacing agreed with fragment {p}'s result is {spacing!r}")
-            pending[p] = PendingResult(averaged.clone(), float(result["arrives_at"]), spacing=spacing)
+            judged = [Judged(int(o), list(m), list(map(float, c))) for o, m, c in result.get("judged", [])]
+            arrives = float(result["arrives_at"])
+            pending[p] = PendingResult(averaged.clone(), arrives, spacing=spacing, judged=judged)
         strategy = self._any_worker().strategy
         if set(pending) != set(strategy.in_flight):
             raise ValueError("the syncs in flight and the averaged results in flight differ")

@@ -93,6 +93,9 @@ from p2p_cocodc.swarm.wire import (
 
 log = logging.getLogger(__name__)
 
+# a slice owner's screening memory: each member's earlier cosines at its slices (``CosineRecord``)
+ScreeningMemory = dict[str, tuple[float, ...]]
+
 MAX_OPEN_ROUNDS = 64  # rounds others may open here before this peer reaches them; then refused
 PARTS_REMEMBERED = 256  # slice digests kept per member, to catch a slice replayed from an earlier round
 BAN_AFTER = 64  # per-peer limits broken this often: the peer is banned from this peer's rounds
@@ -163,10 +166,12 @@ class GroupRecord:
     shards: tuple[int, ...]
     pace: int
     arrival_wait_s: float = 0.0
+    cosines: tuple[tuple[str, float], ...] = ()  # each member's c_i at this peer's slice (screened)
 
     @classmethod
     def of(cls, completed: Completed, arrival_wait_s: float) -> GroupRecord:
-        return cls(tuple(shard for _, shard in completed.members), completed.pace, max(0.0, arrival_wait_s))
+        shards = tuple(shard for _, shard in completed.members)
+        return cls(shards, completed.pace, max(0.0, arrival_wait_s), completed.cosines)
 
 
 class LinkMeter:
@@ -246,6 +251,33 @@ class LinkMeter:
         return busy / rounds
 
 
+class PartsSeen:
+    """The digests of the last ``PARTS_REMEMBERED`` PARTs each member sent this peer, by round."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, OrderedDict[bytes, str]] = {}  # member -> slice digest -> its round
+
+    def replayed(self, sender: str, message: Message) -> bool:
+        """Whether a PART's bytes are ones ``sender`` already sent this peer in another round: an
+        honest outer gradient never repeats bit for bit (a re-sent copy is of the same round)."""
+        if not isinstance(message, Part) or isinstance(message, Result):
+            return False
+        digest = hashlib.sha256(message.data).digest()[:16]
+        seen = self.seen.setdefault(sender, OrderedDict())
+        first = seen.setdefault(digest, message.round_id)
+        seen.move_to_end(digest)
+        if len(seen) > PARTS_REMEMBERED:
+            seen.popitem(last=False)
+        return first != message.round_id
+
+
+def not_member_detail(key_id: str) -> str:
+    """What a peer that is not a member of this run on our board is told."""
+    if key_id == OPEN:
+        return "you are not a peer of this run on my board (no record of yours with our options)"
+    return f"this run requires its swarm key (key id {key_id}): pass --swarm-key-file"
+
+
 class FragmentExchange:
     """Serves and runs averaging rounds for one peer of one run."""
 
@@ -297,7 +329,7 @@ class FragmentExchange:
         self.outliers: Counter[str] = Counter()  # members whose slices this peer left out of its mean
         self.strikes: Counter[str] = Counter()  # per-peer limits broken, by peer
         self.accused: Counter[str] = Counter()  # messages no honest peer sends (forged lists), by peer
-        self.parts_seen: dict[str, OrderedDict[bytes, str]] = {}  # member -> slice digest -> its round
+        self.parts_seen = PartsSeen()  # to catch a slice replayed from an earlier round
         self.banned: set[str] = set()  # peers that broke them BAN_AFTER times: heard no more
         self.leaving = False  # this peer is leaving: it joins no new group
         self.joining = False  # this peer is taking the swarm's state: it joins no group of a round opened now
@@ -337,6 +369,18 @@ class FragmentExchange:
         if sends:
             await asyncio.wait(sends, timeout=MESSAGE_TIMEOUT_S / 10)
 
+    def screening_memory(self) -> ScreeningMemory:
+        """The members' earlier cosines at this peer's slices, as the rounds applied so far left them:
+        what a round sent now is judged by (``Start.earlier``), whenever its messages come."""
+        return dict(self.cosines.cosines)
+
+    def applied(self, round_id: str) -> None:
+        """A completed round is being applied: the cosines this peer measured at its slice join its
+        screening memory (so a round's judgment never depends on which rounds happened to have
+        landed by then: the simulator records them at the same step)."""
+        cosines = self.groups[round_id].cosines
+        self.cosines.add([p for p, _ in cosines], [c for _, c in cosines])
+
     def set_joining(self, joining: bool) -> None:
         """While taking the swarm's state, stay out of every round not reached (a state for it is yet
         to come) and forget the screening memory, as a restarted peer does (so does the replay)."""
@@ -357,12 +401,15 @@ class FragmentExchange:
         pace: int = 0,
         recent: tuple[int, int] = (0, 0),
         codec: Codec | None = None,
+        earlier: ScreeningMemory | None = None,
     ) -> torch.Tensor:
         """The mean of ``vector`` over this round's group; a peer left out of the group, or whose
         all-reduce failed, gets the average another peer completed, bit for bit. ``pace``: the
         send-slot spacing this peer asks for (``paced_spacing``); the round's agreed pace is in
         ``groups[round_id]`` once it completed. ``recent``: (trained, window), the steps ``vector``
-        covers (``inner_share.recent_steps``), which weighs it in the mean; ``codec``: its wire codec.
+        covers (``inner_share.recent_steps``), which weighs it in the mean; ``codec``: its wire codec;
+        ``earlier``: the screening memory at its send (``screening_memory``; None: as it is now, for a
+        round that no other is in flight beside, as a gradient round).
 
         ``take_part=False``: this peer only wants the round's average (it joined the run after the
         round was sent, or is coming back to it): it promises to join no group of the round and asks
@@ -381,14 +428,14 @@ class FragmentExchange:
                 # a machine opened by another peer's message holds the board as of then, and a
                 # tick may not have passed since: it must not lead with a view older than ours
                 self._feed(round_id, machine, ViewChanged(self._board()))
-                self._feed(round_id, machine, Start(step, vector, pace, recent, codec))
+                memory = self.screening_memory() if earlier is None else earlier
+                self._feed(round_id, machine, Start(step, vector, pace, recent, codec, memory))
             elif take_part:
                 raise RoundFailed(f"round {round_id} was already run here")
             result = machine.outcome if machine.outcome is not None else await outcome
         finally:
             self.waiting.pop(round_id, None)
         if isinstance(result, Completed):
-            self.cosines.add([p for p, _ in result.cosines], [c for _, c in result.cosines])
             self.stats.record_round(result, started, machine.adopted_at, time.monotonic())
             if result.screened_out:
                 self.outliers.update(result.screened_out)
@@ -471,7 +518,6 @@ class FragmentExchange:
                 self._board(),
                 time.monotonic(),
                 self.aggregation,
-                dict(self.cosines.cosines),
             )
             machine.gave_round_up = round_id in self.promised or self.leaving or self.joining
             self.open[round_id] = machine
@@ -652,7 +698,7 @@ class FragmentExchange:
         if not self.is_member(sender):
             self._note_refusal(sender, "not a member of this run on my board")
             if not isinstance(message, StatusReply | Ack | Bye) and self.limiter.refused[sender] <= 3:
-                self._refuse(sender, message.round_id, self._not_member_detail())
+                self._refuse(sender, message.round_id, not_member_detail(self.key_id))
             return
         if isinstance(message, Bye):  # not about a round: every open round learns it at once
             if sender not in self.said_bye and sender in self._board():
@@ -683,9 +729,8 @@ class FragmentExchange:
                 self._refuse(sender, round_id, "too many rounds opened here that this peer has not reached")
                 return
             opened.add(round_id)
-        self._feed(
-            round_id, self._machine(round_id), Received(sender, message, self._replayed(sender, message))
-        )
+        replayed = self.parts_seen.replayed(sender, message)
+        self._feed(round_id, self._machine(round_id), Received(sender, message, replayed))
 
     def _accuse(self, round_id: str, peer: str, why: str) -> None:
         self.accused[peer] += 1
@@ -703,24 +748,6 @@ class FragmentExchange:
         judged = claims.judge(sender, message, None, may_be_earlier=earlier)
         if judged.why:
             self._accuse(message.round_id, sender, judged.why)
-
-    def _replayed(self, sender: str, message: Message) -> bool:
-        """Whether a PART's bytes are ones ``sender`` already sent this peer in another round: an
-        honest outer gradient never repeats bit for bit (a re-sent copy is of the same round)."""
-        if not isinstance(message, Part) or isinstance(message, Result):
-            return False
-        digest = hashlib.sha256(message.data).digest()[:16]
-        seen = self.parts_seen.setdefault(sender, OrderedDict())
-        first = seen.setdefault(digest, message.round_id)
-        seen.move_to_end(digest)
-        if len(seen) > PARTS_REMEMBERED:
-            seen.popitem(last=False)
-        return first != message.round_id
-
-    def _not_member_detail(self) -> str:
-        if self.key_id == OPEN:
-            return "you are not a peer of this run on my board (no record of yours with our options)"
-        return f"this run requires its swarm key (key id {self.key_id}): pass --swarm-key-file"
 
     def _note_refusal(self, sender: str, why: str, strike: bool = False) -> None:
         """Count a refusal (and log some); a ``strike`` broke a per-peer limit: enough of them, and a

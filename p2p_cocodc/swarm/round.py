@@ -92,7 +92,6 @@ class RoundMachine:
         view: Mapping[str, BoardPeer],
         now: float,
         aggregation: Aggregation = MEAN,
-        earlier_cosines: Mapping[str, tuple[float, ...]] | None = None,
     ) -> None:
         self.me = me
         self.round_id = round_id
@@ -100,7 +99,7 @@ class RoundMachine:
         self.fingerprint = fingerprint
         self.codec = codec
         self.aggregation = aggregation  # how the slice this peer owns is checked and averaged
-        self.earlier_cosines = earlier_cosines or {}  # members' c_i at our earlier slices (CosineRecord)
+        self.earlier_cosines: Mapping[str, tuple[float, ...]] = {}  # members' c_i at our slices (Start)
         self.deadlines = deadlines
         self.view: dict[str, BoardPeer] = {}
         self.seen_on_board: set[str] = set()  # a member that has left the board is gone
@@ -258,6 +257,7 @@ class RoundMachine:
         self.step, self.vector, self.wish = event.step, event.vector, event.pace
         self.codec = event.codec or self.codec  # the round's own: it may be coarser than the run's
         self.recent[self.me] = event.recent
+        self.earlier_cosines = event.earlier
         self.started_at = now
         etas = [max(event.step - p.step, 0) * p.step_time_s for p in self.view.values()]
         # a peer's record is its own word: one that claims to be far behind is waited for no longer

@@ -90,6 +90,7 @@ class Start:
     pace: int = 0
     recent: tuple[int, int] = (0, 0)  # (trained, window) of the steps ``vector`` covers (``--inner-share``)
     codec: Codec | None = None  # the round's wire codec (``SyncCodecs``); None: the machine's
+    earlier: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # members' c_i at our slices
 
 
 @dataclass(frozen=True)
