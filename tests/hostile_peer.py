@@ -41,7 +41,9 @@ def corrupt(modes: set[str]) -> None:
     first: dict[str, torch.Tensor] = {}
     last_step: dict[str, int] = {}  # fragment -> the step of its last round here
 
-    async def allreduce(self, round_id, vector, step, take_part=True, pace=0, recent=(0, 0), codec=None):  # type: ignore[no-untyped-def]
+    async def allreduce(
+        self, round_id, vector, step, take_part=True, pace=0, recent=(0, 0), codec=None, earlier=None
+    ):  # type: ignore[no-untyped-def]
         if take_part:
             if "scale" in modes:
                 vector = vector * 10.0
@@ -71,7 +73,7 @@ def corrupt(modes: set[str]) -> None:
                         if leader_rank(rid, self.peer_id) < leader_rank(rid, peer):
                             pair = sorted([(self.peer_id, self.shard), (peer, record.shard)], key=by_shard)
                             self._start_send(peer, Group(rid, tuple(pair), 0))
-        return await honest(self, round_id, vector, step, take_part, pace, recent, codec)
+        return await honest(self, round_id, vector, step, take_part, pace, recent, codec, earlier)
 
     FragmentExchange.allreduce = allreduce  # type: ignore[method-assign]
     if modes & {"drift", "drift-early"}:
