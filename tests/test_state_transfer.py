@@ -256,6 +256,37 @@ def test_donors_past_the_step_make_the_joiner_ask_further_ahead(dhts) -> None:
     with_donors(dhts, [sample_state(), sample_state()], body)
 
 
+def test_donors_faster_than_the_board_says_are_caught_by_a_doubling_margin(dhts) -> None:
+    """The board says a step takes 1000 s, but the donors are 4 steps further at every look (a fast
+    run on a loaded machine, whose record is old). The joiner's margin doubles with every ask that
+    came too late (3, then 6 steps), so its third ask is ahead of them. A margin that stayed at 3
+    steps was behind them at every ask (1, 7, 11, 15) and gave up: "the donors kept moving past the
+    asked step"."""
+
+    def moving(donor: Donor) -> None:
+        """Each ask for a manifest finds ``donor`` 4 steps further."""
+        original = donor.server._manifest
+
+        async def manifest(step: int) -> dict:
+            donor.step += 4
+            return await original(step)
+
+        donor.server._manifest = manifest  # type: ignore[method-assign]
+
+    async def body(joiner, donors: list[Donor]) -> None:
+        for donor in donors:
+            moving(donor)
+        pulling = asyncio.ensure_future(
+            pull_state(joiner, "t", "fp", ids(donors), step=1, step_time_s=1e3, last=LAST)
+        )
+        await asked(donors, 14)  # past at 1 (they are at 4) and at 7 (at 8); then 8 + 2 × 3
+        await train_until(donors, 14)
+        pulled = await pulling
+        assert pulled.step == 14
+
+    with_donors(dhts, [sample_state(), sample_state()], body)
+
+
 def test_a_donor_drops_a_copy_no_joiner_downloads_for_a_newer_ask(dhts) -> None:
     """Donor a keeps being past the asked step, donor b behind it: b copied its state for each ask
     (steps 2 and 9), which the joiner left for a further step as a was past. b used to refuse the
@@ -274,11 +305,11 @@ def test_a_donor_drops_a_copy_no_joiner_downloads_for_a_newer_ask(dhts) -> None:
         await train_until([b], 2)
         await asked([b], 9)
         await train_until([b], 9)
-        await asked(donors, 14)  # 11 + 3: b holds copies of 2 and 9, which nobody downloads
-        assert 2 not in b.server.snapshots
-        await train_until(donors, 14)
+        await asked(donors, 17)  # 11 + 2 × 3 (a second late ask): b holds copies of 2 and 9,
+        assert 2 not in b.server.snapshots  # which nobody downloads
+        await train_until(donors, 17)
         pulled = await pulling
-        assert pulled.step == 14 and sorted(pulled.donors) == sorted(ids(donors))
+        assert pulled.step == 17 and sorted(pulled.donors) == sorted(ids(donors))
         assert_same(sample_state(), pulled.state)
 
     with_donors(dhts, [sample_state(), sample_state()], body)

@@ -66,7 +66,7 @@ MAX_STEPS_AHEAD = 10_000  # a donor does not promise a state further ahead than 
 KEEP_S = 300.0  # a snapshot is dropped this long after it was last asked for
 MAX_SNAPSHOTS = 2  # at most this many copies of the state at once
 STREAMS_PER_DONOR = 2
-ATTEMPTS = 4  # steps tried before a joiner gives up
+ATTEMPTS = 6  # steps tried before a joiner gives up
 TENSOR_KEY = "__tensor__"
 DTYPES = {
     str(d).removeprefix("torch."): d
@@ -455,14 +455,18 @@ async def pull_state(
     asked donor agrees on.
 
     Asks every donor for its manifest at ``step``. A donor already past it answers with the step it
-    is at: the next ask goes that far plus the steps (``step_time_s`` each) that two of that answer's
-    round trips take, never past ``last`` (a donor would wait for a step its run never reaches, and
-    end before it answers). ``link_mbps``: this peer's declared link, which every chunk in flight
-    shares (``chunk_link_mbps``). Needs the manifests of min(2, donors) donors, all with one digest (θ̄ is
+    is at: the next ask goes that far plus 2 and the steps (``step_time_s`` each) that two of that
+    answer's round trips take, doubled with every ask that came too late (the board's step time can
+    be older and slower than the donors are now, and a loaded machine's round trips vary), never
+    past ``last`` (a donor would wait for a step its run never reaches, and end before it answers).
+    ``link_mbps``: this peer's declared link, which every chunk in flight shares
+    (``chunk_link_mbps``). Needs the manifests of min(2, donors) donors, all with one digest (θ̄ is
     bit-identical on live peers: a disagreement means a split swarm, never papered over)."""
     started = time.perf_counter()
     need = min(2, len(donors))
     step = min(step, last)
+    late = 0  # asks that came after the donors had passed the step
+    reasons: list[str] = []
     for attempt in range(ATTEMPTS):
         ask = {"want": "manifest", "step": step, "fingerprint": fingerprint}
         answers = await asyncio.gather(*(_timed_ask(p2p, run_id, d, ask) for d in donors))
@@ -486,7 +490,8 @@ async def pull_state(
             furthest, seconds = max(past)
             if furthest >= last:
                 raise StateUnavailable(f"the run ended (step {last}) before its state could be taken")
-            step = min(furthest + 2 + math.ceil(2 * seconds / max(step_time_s, 1e-3)), last)
+            ahead = 2 + math.ceil(2 * seconds / max(step_time_s, 1e-3))
+            step, late = min(furthest + ahead * 2**late, last), late + 1
             continue
         if len(manifests) < need:
             if attempt < ATTEMPTS - 1:  # slowed down, or busy with other joiners: ask again
@@ -501,7 +506,9 @@ async def pull_state(
         manifest = next(iter(manifests.values()))
         blob = await _download(p2p, run_id, list(manifests), manifest, link_mbps)
         return Pulled(step, unpack(manifest, blob), list(manifests), time.perf_counter() - started, len(blob))
-    raise StateUnavailable(f"the donors kept moving past the asked step, or did not reach it (last {step})")
+    raise StateUnavailable(
+        f"the donors kept moving past the asked step, or did not reach it (last {step}: {'; '.join(reasons)})"
+    )
 
 
 async def _download(
