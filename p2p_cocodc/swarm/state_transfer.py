@@ -66,7 +66,8 @@ MAX_STEPS_AHEAD = 10_000  # a donor does not promise a state further ahead than 
 KEEP_S = 300.0  # a snapshot is dropped this long after it was last asked for
 MAX_SNAPSHOTS = 2  # at most this many copies of the state at once
 STREAMS_PER_DONOR = 2
-ATTEMPTS = 6  # steps tried before a joiner gives up
+ATTEMPTS = 6  # asks before a joiner gives up (each ask the donors did not answer waits up to 2 min)
+UNANSWERED_ASKS = 4  # of them, asks that too few donors answered
 TENSOR_KEY = "__tensor__"
 DTYPES = {
     str(d).removeprefix("torch."): d
@@ -465,7 +466,7 @@ async def pull_state(
     started = time.perf_counter()
     need = min(2, len(donors))
     step = min(step, last)
-    late = 0  # asks that came after the donors had passed the step
+    late = unanswered = 0  # asks that came after the donors had passed the step; asks too few answered
     reasons: list[str] = []
     for attempt in range(ATTEMPTS):
         ask = {"want": "manifest", "step": step, "fingerprint": fingerprint}
@@ -494,7 +495,8 @@ async def pull_state(
             step, late = min(furthest + ahead * 2**late, last), late + 1
             continue
         if len(manifests) < need:
-            if attempt < ATTEMPTS - 1:  # slowed down, or busy with other joiners: ask again
+            unanswered += 1
+            if unanswered < UNANSWERED_ASKS and attempt < ATTEMPTS - 1:  # busy with other joiners: again
                 continue
             raise StateUnavailable(f"fewer than {need} donors gave their state: {'; '.join(reasons)}")
         digests = {m["digest"] for m in manifests.values()}
