@@ -193,11 +193,12 @@ class Presence:
     def fastest_step_s(self) -> float:
         """The shortest inner step time a training peer of this run publishes (0: none measured yet):
         what ``--inner-share auto`` compares this peer's own with."""
-        training = [*self._others("training").values()]
-        own = self.view.get(self.peer_id)
-        if own is not None and own.state == "training":
-            training.append(own)
-        return min((r.step_time_s for r in training if r.step_time_s > 0), default=0.0)
+        times = [
+            r.step_time_s
+            for r in self.view.values()
+            if self.same_run(r) and r.state == "training" and r.step_time_s > 0
+        ]
+        return min(times, default=0.0)
 
     def swarm_step(self) -> tuple[int, float] | None:
         """The furthest step a training peer of this run (not this one) publishes, and the slowest
