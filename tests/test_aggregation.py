@@ -4,6 +4,7 @@ bits on any thread count, and the simulator's exclusion records."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
 
@@ -23,9 +24,11 @@ from p2p_cocodc.algorithms.aggregation import (
 )
 from p2p_cocodc.algorithms.butterfly import butterfly_mean, reduce_slice, slice_bounds
 from p2p_cocodc.algorithms.codecs import CODECS, mean_in_order
+from p2p_cocodc.algorithms.strategies import PendingSync
 from p2p_cocodc.config.train import TrainConfig, coerce
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.names import AGGREGATES
+from p2p_cocodc.peer.in_flight import SentWith, load_screening, screening_state, sent_with
 from p2p_cocodc.run.records import RunLog, read_records
 from p2p_cocodc.run.simulator import Simulation
 from tests.test_algorithms import SMALL
@@ -208,6 +211,25 @@ def test_a_cosine_record_is_bounded_and_survives_a_checkpoint() -> None:
         with pytest.raises((ValueError, TypeError)):
             CosineRecord(window=3).load_state_dict(bad)
     assert CosineRecord(window=1).add(["a"], [0.5]) is None and CosineRecord(window=1).earlier(["a"]) == ((),)
+
+
+def test_a_checkpoint_keeps_the_screening_memory_each_sync_in_flight_was_sent_with() -> None:
+    """A peer's checkpoint (``peer/in_flight.py``): its record, and for each sync in flight the pace
+    and memory at its send, for the sync this peer sent after that step (not an older send of the
+    fragment, nor a sync in flight in a state it took from the swarm)."""
+    record = CosineRecord(window=3)
+    record.add(["a", "b"], [0.9, 0.2])
+    sent = {0: SentWith(12, 31, {"a": (0.5,)}), 1: SentWith(4, 31, {})}  # fragment 1 sent again since
+    in_flight = {p: PendingSync(torch.zeros(1), step, step + 6) for p, step in ((0, 12), (1, 16))}
+    state = json.loads(json.dumps(screening_state(record, sent, in_flight)))  # as a checkpoint holds it
+    again = CosineRecord(window=3)
+    assert load_screening(state, again) == {0: sent[0]} and again.cosines == record.cosines
+    assert sent_with(sent, 0, 12) == sent[0] and sent_with(sent, 1, 16) is None
+    assert load_screening(None, again) == {} and not again.cosines  # older checkpoints: an empty memory
+    bad_entries = [[0, 12, 31], [0, 12.0, 31, []], [0, 12, 31, [["a", [1]]]], "x"]
+    for bad in [[], {"record": []}, *({"record": [], "in_flight": [entry]} for entry in bad_entries)]:
+        with pytest.raises((ValueError, TypeError)):
+            load_screening(bad, CosineRecord(window=3))
 
 
 # ---- determinism ----

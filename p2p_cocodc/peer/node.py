@@ -37,7 +37,7 @@ from p2p_cocodc.ops.progress import Phases, Progress
 from p2p_cocodc.peer import lobby
 from p2p_cocodc.peer.presence import Presence
 from p2p_cocodc.peer.region import Region
-from p2p_cocodc.peer.syncs import SwarmReplica, board_fields, metrics_sample
+from p2p_cocodc.peer.syncs import SwarmReplica, board_fields, host_buffers, metrics_sample
 from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter, committed, read_checkpoint
 from p2p_cocodc.run.loop import ReplicaLoop
 from p2p_cocodc.run.records import Records, RunLog
@@ -301,7 +301,7 @@ class Peer:
                     self.opts.identity,
                     self.membership,
                     protected=[peers_key(self.opts.run_id)],
-                    left_to_parent=self.replica.host_buffers(),
+                    left_to_parent=host_buffers(self.replica),
                 )
                 daemon_socket = p2pd_socket(dht)
                 p2p = self.p2p = await dht.replicate_p2p()
@@ -370,6 +370,7 @@ class Peer:
             key_id=self.membership.key_id,
             max_frame=replica.max_message_bytes(),
             aggregation=self.cfg.aggregation(),
+            cosines=replica.screening,
         )
         self.exchange.set_joining(isinstance(admitted, lobby.Join))
         await self.exchange.start()

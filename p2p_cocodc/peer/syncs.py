@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from p2p_cocodc.algorithms.aggregation import CosineRecord
 from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.algorithms.devices import HostCopy, StepTimer, peak_memory_bytes
 from p2p_cocodc.algorithms.inner_share import RegionShare
@@ -41,6 +42,7 @@ from p2p_cocodc.config.derived import declared_busy_s
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.models.data import Shard
 from p2p_cocodc.ops.monitoring import PeerMetrics, PeerSample
+from p2p_cocodc.peer.in_flight import SentWith, load_screening, screening_state, sent_with
 from p2p_cocodc.peer.presence import Presence
 from p2p_cocodc.peer.region import Region
 from p2p_cocodc.run.loop import Rejoin, SyncsFailing
@@ -131,6 +133,8 @@ class SwarmReplica:
         self.joined_at = 0  # the step whose end this replica took the swarm's state at (0: started the run)
         self.resyncs = 0  # times it took the state again after it fell out of the swarm
         self.pending: dict[int, asyncio.Task[PreparedResult]] = {}
+        self.sent_with: dict[int, SentWith] = {}  # each fragment's last send: its pace, screening memory
+        self.screening = CosineRecord(setup.cfg.aggregation().outlier_window)  # the exchange judges by it
         self.failed_in_a_row = 0  # syncs that failed since the last one that completed
         self.paced_before = False  # the swarm has sent less than configured, and this peer said so
         self.data: Shard | None = None
@@ -214,6 +218,7 @@ class SwarmReplica:
             "sync_shape": [self.settings.overlap, self.settings.transmissions],  # the swarm's τ and N
             "records": list(self.records.kept),
             "rng": {"torch": torch.get_rng_state()},
+            "screening": screening_state(self.screening, self.sent_with, self.strategy.in_flight),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -227,18 +232,7 @@ class SwarmReplica:
         self.step, self.joined_at = int(state["step"]), int(state["joined_at"])
         self.records.kept = list(state["records"])
         torch.set_rng_state(expect_tensor(state["rng"]["torch"], torch.get_rng_state(), "torch RNG state"))
-
-    def host_buffers(self) -> list[tuple[int, int]]:
-        """The memory (address, bytes) of this replica's tensors in host memory: the model as built,
-        the replica and its evaluation copy where they train on the CPU, θ̄ and the outer momentum."""
-        tensors = [
-            *self.setup.base.state_dict().values(),
-            *self.eval_model.state_dict().values(),
-            *self.trainer.model.state_dict().values(),
-            *[t for outer in self.strategy.state_dict().get("outer", []) for t in outer.values()],
-        ]
-        storages = [t.untyped_storage() for t in tensors if t.device.type == "cpu"]
-        return [(s.data_ptr(), s.nbytes()) for s in storages]
+        self.sent_with = load_screening(state.get("screening"), self.screening)
 
     def shared_state(self) -> dict[str, Any]:
         """A copy of what every live peer holds identically now, for a joiner (a step boundary)."""
@@ -274,9 +268,10 @@ class SwarmReplica:
     def rerun_in_flight(self) -> None:
         """After a whole-swarm resume: run again the syncs in flight at the checkpoint, with the
         payloads they had (θ̄_p has not moved since the send: Δ_p = θ̄_p − snapshot_p)."""
-        pace, memory = pace_wish(self), (self.exchange.screening_memory() if self.exchange else None)
         for p, sync in self.strategy.in_flight.items():
             vector = self.strategy.outer_gradient(p, sync.snapshot.cpu())  # type: ignore[attr-defined]
+            known = sent_with(self.sent_with, p, sync.sent_step)
+            pace, memory = (known.pace, known.memory) if known else (pace_wish(self), None)
             self.pending[p] = asyncio.create_task(self._round(p, sync.sent_step, vector, pace, memory))
 
     def cancel_syncs(self) -> None:
@@ -395,12 +390,13 @@ class SwarmReplica:
         if self.region is not None:  # an fsdp region gathers the fragment from its ranks' shards
             self.region.collect(self.strategy.fragments[p].params, self.trainer.model)
         snapshot = self.trainer.placement.to_host(self.strategy.send(p, step))  # type: ignore[attr-defined]
-        memory = self.exchange.screening_memory() if self.exchange else None  # of the rounds applied so far
-        self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, pace_wish(self), started, memory))
+        assert self.exchange is not None
+        sent = self.sent_with[p] = SentWith(step, pace_wish(self), self.exchange.screening_memory())
+        self.pending[p] = asyncio.create_task(self._sync(p, step, snapshot, sent.pace, sent.memory, started))
         self.boundary_s += time.perf_counter() - started
 
     async def _sync(
-        self, p: int, step: int, snapshot: HostCopy, pace: int, sent_at: float, memory: ScreeningMemory | None
+        self, p: int, step: int, snapshot: HostCopy, pace: int, memory: ScreeningMemory, sent_at: float
     ) -> PreparedResult:
         """One fragment sync, off the training thread and the event loop: Δ_p = θ̄_p − θ_p from
         the snapshot's host copy (in a worker thread), the round, then the result prepared for
@@ -610,6 +606,19 @@ async def finish_syncs(replica: SwarmReplica, stopping: bool) -> None:
                 ", ".join(p[:12] for p in missing),
                 replica.round_timeout_s,
             )
+
+
+def host_buffers(replica: SwarmReplica) -> list[tuple[int, int]]:
+    """The memory (address, bytes) of a replica's tensors in host memory: the model as built, the
+    replica and its evaluation copy where they train on the CPU, θ̄ and the outer momentum."""
+    tensors = [
+        *replica.setup.base.state_dict().values(),
+        *replica.eval_model.state_dict().values(),
+        *replica.trainer.model.state_dict().values(),
+        *[t for outer in replica.strategy.state_dict().get("outer", []) for t in outer.values()],
+    ]
+    storages = [t.untyped_storage() for t in tensors if t.device.type == "cpu"]
+    return [(s.data_ptr(), s.nbytes()) for s in storages]
 
 
 def pace_wish(replica: SwarmReplica) -> int:

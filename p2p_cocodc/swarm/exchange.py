@@ -297,13 +297,15 @@ class FragmentExchange:
         max_frame: int = MAX_FRAME,
         limits: Limits | None = None,
         aggregation: Aggregation = MEAN,
+        cosines: CosineRecord | None = None,
     ) -> None:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
         self.protocol = f"p2p-cocodc/{run_id}/exchange/2"
         self.codec = codec
         self.aggregation = aggregation
-        self.cosines = CosineRecord(aggregation.outlier_window)  # the members' c_i at this peer's slices
+        # the members' c_i at this peer's slices (a resumed peer's: as its checkpoint kept them)
+        self.cosines = CosineRecord(aggregation.outlier_window) if cosines is None else cosines
         self.shard = shard
         self.fingerprint = fingerprint
         self.key_id = key_id  # the run's swarm key ("open": none): only its holders are peers of ours
@@ -385,7 +387,8 @@ class FragmentExchange:
         """While taking the swarm's state, stay out of every round not reached (a state for it is yet
         to come) and forget the screening memory, as a restarted peer does (so does the replay)."""
         self.joining = joining
-        self.cosines = CosineRecord(self.cosines.window) if joining else self.cosines
+        if joining:
+            self.cosines.cosines.clear()
         for machine in self.open.values():
             if joining and machine.phase == Phase.IDLE:
                 machine.gave_round_up = True
