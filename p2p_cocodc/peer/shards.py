@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
 
 from p2p_cocodc.algorithms.devices import Placement
 from p2p_cocodc.algorithms.inner import InnerTrainer, adamw_groups, checked_adamw_state
@@ -134,6 +133,9 @@ class Shards:
             if full is not None
             else torch.empty(shard.shape, dtype=shard.dtype, device=device)
         )
+        # imported here: DTensor takes half a second to import, and only an fsdp region needs it
+        from torch.distributed.tensor import distribute_tensor
+
         piece = distribute_tensor(source, shard.device_mesh, shard.placements)  # from rank 0
         with torch.no_grad():
             shard.to_local().copy_(piece.to_local())
