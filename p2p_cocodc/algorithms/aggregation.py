@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -157,7 +157,7 @@ class CosineRecord:
             self.cosines.popitem(last=False)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"members": [[member, list(c)] for member, c in self.cosines.items()]}
+        return {"members": memory_entries(self.cosines)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take over a ``state_dict()``; ValueError if it is not one."""
@@ -168,6 +168,11 @@ class CosineRecord:
                 raise ValueError(f"a cosine record holds {entry!r}")
             cosines[member] = tuple(values)[-(self.window - 1) :] if self.window > 1 else ()
         self.cosines = cosines
+
+
+def memory_entries(cosines: Mapping[Hashable, Sequence[float]]) -> list[list[Any]]:
+    """Members' earlier cosines (a ``CosineRecord``'s, or a copy of them) as its state lists them."""
+    return [[member, list(c)] for member, c in cosines.items()]
 
 
 def similarity(values: Sequence[torch.Tensor]) -> tuple[list[float], list[float]]:

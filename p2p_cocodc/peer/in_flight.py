@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from p2p_cocodc.algorithms.aggregation import CosineRecord
+from p2p_cocodc.algorithms.aggregation import CosineRecord, memory_entries
 from p2p_cocodc.algorithms.strategies import PendingSync
 from p2p_cocodc.swarm.exchange import ScreeningMemory
 
@@ -45,8 +45,8 @@ def screening_state(
     """The checkpoint's ``screening`` entry: ``record``, and what the syncs ``in_flight`` were sent with."""
     kept = {p: known for p, sync in in_flight.items() if (known := sent_with(sent, p, sync.sent_step))}
     return {
-        "record": _members(record.cosines),
-        "in_flight": [[p, *known[:2], _members(known.memory)] for p, known in kept.items()],
+        "record": memory_entries(record.cosines),
+        "in_flight": [[p, *known[:2], memory_entries(known.memory)] for p, known in kept.items()],
     }
 
 
@@ -67,7 +67,3 @@ def load_screening(state: Any, record: CosineRecord) -> dict[int, SentWith]:
         at_send.load_state_dict({"members": entry[3]})
         sent[entry[0]] = SentWith(entry[1], entry[2], dict(at_send.cosines))
     return sent
-
-
-def _members(memory: ScreeningMemory) -> list[list[Any]]:
-    return [[member, list(cosines)] for member, cosines in memory.items()]
