@@ -3,6 +3,8 @@ process group so a test can always end everything it started."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -65,6 +67,37 @@ def torchrun(args: list[str], port: int, ranks: int = 2) -> list[str]:
 def run_cli(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     """``p2p-cocodc ARGS`` to completion, output captured."""
     return subprocess.run(CLI + args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def run_here(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``p2p-cocodc ARGS`` run to completion in this process, in ``cwd`` and with ``env`` set in the
+    environment meanwhile, output captured as a subprocess's would be: for the runs whose process is
+    not what a test checks (the simulator as an oracle, a refused option), which in a process of their
+    own would each spend about 3 s of CPU importing torch, hivemind and torch._dynamo first. The
+    simulator is deterministic on one thread, and this process runs torch on one (tests/conftest.py)."""
+    from p2p_cocodc.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code: int | str | None = 0
+    with contextlib.ExitStack() as scope:
+        patch = scope.enter_context(pytest.MonkeyPatch.context())
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        scope.enter_context(contextlib.chdir(cwd))
+        scope.enter_context(contextlib.redirect_stdout(out))
+        scope.enter_context(contextlib.redirect_stderr(err))
+        try:
+            main(args)
+        except SystemExit as stop:
+            code = stop.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def simulate_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``p2p-cocodc simulate ARGS`` in this process (``run_here``): the oracle of a swarm test."""
+    return run_here(["simulate", *args], cwd)
 
 
 def spawn(
@@ -287,7 +320,6 @@ def joined_at(path: Path) -> dict | None:
 
 def assert_replayed(tmp_path: Path, options: list[str], theta: str, events: str = "peer0.jsonl") -> None:
     """``simulate --algo cocodc OPTIONS`` replays a founder's records (rounds, joins) to ``theta``."""
-    replay = ["simulate", "--algo", "cocodc", *options, "--events", events, "--out", "replay.jsonl"]
-    sim = run_cli(replay, tmp_path, timeout=180)
+    sim = simulate_here(["--algo", "cocodc", *options, "--events", events, "--out", "replay.jsonl"], tmp_path)
     assert sim.returncode == 0, sim.stderr
     assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == theta

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.swarm_procs import records
+from tests.swarm_procs import records, run_here
 from tests.tiny_options import TINY_MODEL
 
 TINY = [
@@ -315,13 +315,19 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def bad_runs(env: dict[str, str], bad_files: dict[str, str]) -> dict[str, Any]:
+def bad_runs(
+    env: dict[str, str], bad_files: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """The bad values run in this process (``run_here``: what is checked is the command's answer, and
+    a process each would cost seconds of imports); the usage error in a process of its own."""
     jobs = {key: [a.format(**bad_files) for a in [*SIMULATE, *args]] for key, (args, _) in BAD_INPUTS.items()}
     Path(bad_files["notjson"]).write_text("this is not json\n", encoding="utf-8")
     jobs["compare-notjson"] = ["compare", bad_files["notjson"]]
-    jobs["usage"] = ["simulate", "--wokers", "2"]
     jobs["out-full"] = [*SIMULATE, "--out", "/dev/full"]
-    return in_parallel(jobs, env)
+    here, cache = tmp_path_factory.mktemp("bad-runs"), {"P2P_COCODC_CACHE": env["P2P_COCODC_CACHE"]}
+    return {key: run_here(args, here, cache) for key, args in jobs.items()} | {
+        "usage": cli(env, "simulate", "--wokers", "2")
+    }
 
 
 @pytest.mark.parametrize(

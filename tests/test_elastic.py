@@ -13,7 +13,6 @@ from tests.swarm_procs import (
     end_group,
     records,
     round_leader_shard,
-    run_cli,
     run_peers,
     sigkill_like_a_crash,
     spawn,
@@ -83,11 +82,8 @@ def test_a_peer_that_leaves_mid_run_is_not_waited_for(tmp_path: Path) -> None:
         later = [r for r in later if int(r["round"].split(":")[1]) > left_at + 16]
         assert later and all(r["completed"] and leaver not in r["members"] for r in later), logs
     # the simulator replays the rounds a survivor recorded (groups without the leaver) to the same θ̄
-    replay = ["simulate", "--algo", "cocodc", *TINY, "--steps", "96", "--events", f"peer{stayers[0]}.jsonl"]
-    sim = run_cli([*replay, "--out", "replay.jsonl"], tmp_path, timeout=120)
-    assert sim.returncode == 0, sim.stderr
-    replayed = records(tmp_path / "replay.jsonl")[-1]
-    assert replayed["global_params_sha256"] == summaries[0]["global_params_sha256"]
+    events = f"peer{stayers[0]}.jsonl"
+    assert_replayed(tmp_path, [*TINY, "--steps", "96"], summaries[0]["global_params_sha256"], events)
 
 
 # the founders still train when the fifth is refused (in CI it took 28 s to start): 320 steps held to

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import transformers  # the hf extra, which the test extra includes
 
 from p2p_cocodc.config.train import TrainConfig
 from p2p_cocodc.models.data import SHIPPED_BPE, BpeTokenizer, load_corpus, tokenize_corpus
-from tests.swarm_procs import end_group, records, run_cli, spawn, start_bootstrap
+from tests.swarm_procs import end_group, records, run_cli, run_here, spawn, start_bootstrap
 from tests.test_cli import assert_one_error_line
 
 LAYERS = 2
@@ -324,16 +323,18 @@ NO_TRANSFORMERS = "sys.modules['transformers'] = None"  # what an environment wi
 
 
 @pytest.fixture(scope="module")
-def bad_runs(models: dict[str, Path], env: dict[str, str]) -> dict[str, subprocess.CompletedProcess[str]]:
+def bad_runs(
+    models: dict[str, Path], env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Each bad value in this process (``run_here``: refused before any training, so nothing of a
+    process of its own is under test), and the run without transformers in a fresh interpreter."""
     names = {key: str(path) for key, path in models.items()} | {"root": str(models["data"].parent)}
-    run = ["simulate", "--data", models["data"], *SMALL]  # the bad value comes after, and wins
+    run = ["simulate", "--data", str(models["data"]), *SMALL]  # the bad value comes after, and wins
+    here, cache = tmp_path_factory.mktemp("bad"), {"P2P_COCODC_CACHE": env["P2P_COCODC_CACHE"]}
     jobs = {key: [*run, *[a.format(**names) for a in args]] for key, (args, _) in BAD.items()}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {key: pool.submit(cli, env, *args) for key, args in jobs.items()}
-        futures["no-transformers"] = pool.submit(
-            cli, env, *run, "--model", f"hf:{models['llama']}", prelude=NO_TRANSFORMERS
-        )
-        return {key: future.result() for key, future in futures.items()}
+    refused = {key: run_here(args, here, cache) for key, args in jobs.items()}
+    refused["no-transformers"] = cli(env, *run, "--model", f"hf:{models['llama']}", prelude=NO_TRANSFORMERS)
+    return refused
 
 
 @pytest.mark.parametrize("key", list(BAD))

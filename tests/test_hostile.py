@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from p2p_cocodc.swarm.trust import key_id, keygen, read_swarm_key
-from tests.swarm_procs import HOSTILE, end_group, records, run_cli, spawn, start_bootstrap
+from tests.swarm_procs import HOSTILE, end_group, records, run_cli, simulate_here, spawn, start_bootstrap
 from tests.tiny_options import TINY_MODEL, TINY_SYNCS
 
 HOSTILE_MODES = {3: "flip,forge", 4: "scale,pairs", 5: "replay", 6: "flood"}  # data shard -> what it does
@@ -65,8 +65,7 @@ def test_honest_peers_shut_out_a_stranger_screen_bad_gradients_and_ban_a_floodin
     finally:
         for proc in [*procs, boot.proc]:
             end_group(proc)
-    replay = ["simulate", *OPTIONS, "--events", "peer0.jsonl", "--out", "clean.jsonl"]
-    clean = run_cli(replay, tmp_path, timeout=300)
+    clean = simulate_here([*OPTIONS, "--events", "peer0.jsonl", "--out", "clean.jsonl"], tmp_path)
     assert clean.returncode == 0, clean.stderr
 
     run_key, other_key = key_id(read_swarm_key(str(key))), key_id(read_swarm_key(str(other)))

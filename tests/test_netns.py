@@ -23,10 +23,10 @@ from tests.netns import (
     wan_network,
 )
 from tests.swarm_procs import (
+    assert_replayed,
     busy_core,
     end_group,
     records,
-    run_cli,
     sigkill_like_a_crash,
     spawn,
     start_bootstrap,
@@ -186,14 +186,6 @@ def three_peers_on(
     return logs, outs
 
 
-def assert_replayed(tmp_path: Path, options: list[str], summary: dict) -> None:
-    """`simulate --events` reproduces θ̄ from peer 0's records."""
-    replay = ["simulate", *options, "--events", "peer0.jsonl", "--out", "replay.jsonl"]
-    sim = run_cli(replay, tmp_path, timeout=180)
-    assert sim.returncode == 0, sim.stderr
-    assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == summary["global_params_sha256"]
-
-
 def test_three_peers_over_thin_links_send_less_and_end_with_one_global_model(tmp_path: Path) -> None:
     """Issue 8, part 3, and issue 21, part 2: a bootstrap and three peers, each peer behind its own
     `thin` link (2 Mbit/s each way, 100 ms between two peers), which they do not declare
@@ -214,7 +206,7 @@ def test_three_peers_over_thin_links_send_less_and_end_with_one_global_model(tmp
     # steps: after the last unpaced send at 24, two slots at the widest pace, 4·H = 96, land by 311)
     late = {r["round"].split(":")[0] for r in rounds if int(r["round"].split(":")[1]) > 24}
     assert late == {"f0", "f1"}, rounds
-    assert_replayed(tmp_path, THIN, summaries[0])
+    assert_replayed(tmp_path, THIN, summaries[0]["global_params_sha256"])
 
 
 # THIN's run with a slot every 24 steps (H = 48, 2 fragments), twice as long, τ = 12 and the wide
@@ -265,7 +257,7 @@ def test_when_the_link_narrows_mid_run_the_swarm_paces_within_a_few_rounds(tmp_p
     # and the codec: fp32 while the links kept up, q2 (--paced-codec auto) from a send after that pace
     coarse = [i for i, r in enumerate(after) if r["codec"] == "q2"]
     assert {r["codec"] for r in before} == {"fp32"} and coarse and coarse[0] < 6, (narrowed_after, rounds)
-    assert_replayed(tmp_path, NARROWING, outs[0][-1])
+    assert_replayed(tmp_path, NARROWING, outs[0][-1]["global_params_sha256"])
 
 
 # a donor of a state of MB MiB: trains a step every 50 ms and serves its state (``StateServer``);
@@ -400,5 +392,5 @@ def test_a_peer_back_over_a_thin_link_catches_up_untrained_and_no_round_waits_fo
             r for r in outs[0] if r["kind"] == "round" and int(took[1]) < sent_step(r) <= int(caught[1])
         ]
         assert between and all(2 not in r["members"] for r in between), between
-        assert_replayed(tmp_path, CATCH_UP, outs[0][-1])
+        assert_replayed(tmp_path, CATCH_UP, outs[0][-1]["global_params_sha256"])
     assert leftovers(net.suffix) == []

@@ -21,6 +21,7 @@ from tests.swarm_procs import (
     free_port,
     records,
     run_cli,
+    simulate_here,
     spawn,
     start_bootstrap,
     torchrun,
@@ -50,7 +51,7 @@ def test_a_two_rank_region_trains_like_a_one_process_region(tmp_path: Path, para
         procs.append(
             spawn([*common, "--shard", "1/2", "--out", "b.jsonl", "--save", "b-model"], tmp_path, "b.log")
         )
-        sim = run_cli(["simulate", *OPTIONS, "--save", "sim-model"], tmp_path, timeout=120)
+        sim = simulate_here([*OPTIONS, "--save", "sim-model"], tmp_path)
         assert sim.returncode == 0, sim.stderr
         for name, proc in zip("ab", procs, strict=True):
             assert proc.wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]

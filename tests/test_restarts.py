@@ -17,8 +17,8 @@ from tests.swarm_procs import (
     joined_at,
     records,
     round_leader_shard,
-    run_cli,
     sigkill_like_a_crash,
+    simulate_here,
     spawn,
     start_bootstrap,
     start_three_training,
@@ -70,7 +70,7 @@ def test_a_whole_swarm_killed_and_resumed_ends_with_the_uninterrupted_global_mod
     hashes = {s["global_params_sha256"] for s in summaries}
     assert len(hashes) == 1, logs[-6000:]
     assert evals(tmp_path / "peer0.jsonl") == 400 // 8 + 1  # --out as an uninterrupted run's
-    sim = run_cli(["simulate", *options, "--out", "sim.jsonl"], tmp_path, 120)
+    sim = simulate_here([*options, "--out", "sim.jsonl"], tmp_path)
     assert sim.returncode == 0, sim.stderr
     simulated = records(tmp_path / "sim.jsonl")
     assert sum(r["kind"] == "exclusion" for r in simulated) >= 10  # the screening was in play throughout

@@ -28,6 +28,7 @@ from tests.swarm_procs import (
     records,
     run_cli,
     sigkill_like_a_crash,
+    simulate_here,
     spawn,
     start_bootstrap,
     wait_for,
@@ -60,9 +61,8 @@ def test_three_peers_equal_the_simulator(
             args += ["--verbose", "--pace", "fixed"]  # the simulator's timetable, however loaded this machine
             args += ["--inner-share", share[i], *ending]
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
-        sim = run_cli(
+        sim = simulate_here(
             [
-                "simulate",
                 "--algo",
                 algo,
                 *TINY,
@@ -77,7 +77,6 @@ def test_three_peers_equal_the_simulator(
                 *ending,
             ],
             tmp_path,
-            timeout=120,
         )
         assert sim.returncode == 0, sim.stderr
         for i, peer in enumerate(peers):
@@ -252,7 +251,7 @@ def test_global_parameters_file_loads_into_the_model(tmp_path: Path) -> None:
     """--save writes θ̄ in a folder whose model.safetensors torch loads back into the preset model."""
     from p2p_cocodc.models.build import build_model
 
-    done = run_cli(["simulate", *TINY, "--steps", "8", "--save", "theta"], tmp_path, timeout=120)
+    done = simulate_here([*TINY, "--steps", "8", "--save", "theta"], tmp_path)
     assert done.returncode == 0, done.stderr
     model = build_model("nano", 256, 32)
     state = load_file(tmp_path / "theta" / "model.safetensors")
@@ -274,7 +273,7 @@ def test_screening_judges_by_the_rounds_applied_before_the_send_as_the_simulator
             args = ["join", "--bootstrap", boot.host_port, "--algo", "cocodc", *TINY, *strict]
             args += ["--shard", f"{i}/3", "--out", f"peer{i}.jsonl", "--run-id", "strict", "--pace", "fixed"]
             peers.append(spawn(args, tmp_path, f"peer{i}.log"))
-        sim = run_cli(["simulate", "--algo", "cocodc", *TINY, *strict, "--out", "sim.jsonl"], tmp_path, 120)
+        sim = simulate_here(["--algo", "cocodc", *TINY, *strict, "--out", "sim.jsonl"], tmp_path)
         assert sim.returncode == 0, sim.stderr
         for i, peer in enumerate(peers):
             assert peer.wait(timeout=180) == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]
@@ -355,7 +354,7 @@ def test_peers_that_work_auto_out_differently_train_together_with_the_swarms_ove
 
     logs = run_three_peers(tmp_path, boot, peer)
     agreed = ["--overlap", "3", "--transmissions", "3"]
-    sim = run_cli(["simulate", "--algo", "cocodc", *fixed, *agreed, "--out", "sim.jsonl"], tmp_path, 120)
+    sim = simulate_here(["--algo", "cocodc", *fixed, *agreed, "--out", "sim.jsonl"], tmp_path)
     assert sim.returncode == 0, sim.stderr
     summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
     assert [(s["overlap"], s["transmissions"]) for s in summaries] == [(3, 3)] * 3
@@ -389,13 +388,15 @@ def test_peers_on_a_declared_thin_link_start_paced_and_the_simulator_replays_it(
     assert first[1]["codec"] == "q2", first  # paced: --paced-codec auto's q2, not fp4, and replayed so
     theta = {out[-1]["global_params_sha256"] for out in outs}
     assert len(theta) == 1
-    replay = ["simulate", "--algo", "cocodc", *options, "--events", "peer0.jsonl", "--out", "replay.jsonl"]
-    sim = run_cli(replay, tmp_path, timeout=120)
+    replay = ["--algo", "cocodc", *options, "--events", "peer0.jsonl", "--out", "replay.jsonl"]
+    sim = simulate_here(replay, tmp_path)
     assert sim.returncode == 0, sim.stderr
     assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] in theta
     unpaced = [line for line in (tmp_path / "peer0.jsonl").read_text().splitlines() if '"start"' not in line]
     (tmp_path / "unpaced.jsonl").write_text("\n".join(unpaced) + "\n")
-    sim = run_cli([*replay[:-4], "--events", "unpaced.jsonl", "--out", "unpaced-replay.jsonl"], tmp_path, 120)
+    sim = simulate_here(
+        [*replay[:-4], "--events", "unpaced.jsonl", "--out", "unpaced-replay.jsonl"], tmp_path
+    )
     assert sim.returncode != 0 and "no record of round" in sim.stderr, sim.stderr
 
 

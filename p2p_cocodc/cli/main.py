@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -669,10 +669,11 @@ def eval_model(model: str, data: str | None, batches: int | None, seq_len: int |
     )
 
 
-def main() -> None:
-    """Entry point: bad input ends with one line that says what to fix, never a bare traceback."""
+def main(args: Sequence[str] | None = None) -> None:
+    """Entry point: bad input ends with one line that says what to fix, never a bare traceback.
+    ``args``: the command line after the program's name (default: ``sys.argv[1:]``)."""
     try:
-        cli.main(standalone_mode=False)
+        cli.main(args=args, standalone_mode=False)
     except UserError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
