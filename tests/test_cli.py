@@ -103,13 +103,18 @@ def assert_one_error_line(proc: subprocess.CompletedProcess[str], *names: str) -
 
 @pytest.fixture(scope="module")
 def runs(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One finished run per algorithm, plus a rerun of cocodc and one with another seed."""
+    """One finished run per algorithm, plus a rerun of cocodc and one with another seed. cocodc and its
+    rerun are processes of their own, the others run in this process meanwhile (``run_here``)."""
     folder = tmp_path_factory.mktemp("runs")
     extra = {"again": [], "seed1": ["--seed", "1"]}
     outs = {key: folder / f"{key}.jsonl" for key in [*OVERLAP, *extra]}
-    jobs = {algo: ["simulate", "--algo", algo, *TINY, "--out", outs[algo]] for algo in OVERLAP}
-    jobs.update({key: [*jobs["cocodc"][:-1], outs[key], *args] for key, args in extra.items()})
-    procs = in_parallel(jobs, env)
+    jobs = {algo: ["simulate", "--algo", algo, *TINY, "--out", str(outs[algo])] for algo in OVERLAP}
+    jobs.update({key: [*jobs["cocodc"][:-1], str(outs[key]), *args] for key, args in extra.items()})
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        processes = {key: pool.submit(cli, env, *jobs[key]) for key in ("cocodc", "again")}
+        cache = {"P2P_COCODC_CACHE": env["P2P_COCODC_CACHE"]}
+        procs = {key: run_here(args, folder, cache) for key, args in jobs.items() if key not in processes}
+        procs |= {key: future.result() for key, future in processes.items()}
     return {key: (procs[key], outs[key]) for key in jobs}
 
 
