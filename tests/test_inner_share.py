@@ -89,6 +89,29 @@ def test_auto_chooses_from_the_median_of_the_last_window_of_step_times() -> None
     assert not fixed.choose(lambda: 0.05) and fixed.steps == 16  # a set share never changes
 
 
+def test_an_auto_share_tells_the_steps_it_trained_at_each_steps_own_k() -> None:
+    """A region on auto that slows down mid-window (k = 8 of 8, then 4 from step 13) tells the
+    owners of its send after step 16 the steps it trained among 9-16: 4 at k = 8, then 2 at k = 4.
+    Before, the k of the moment (4) was applied to the whole window: (4, 8). The count holds when
+    the round starts up to τ < H steps after the send, and a fixed share keeps ``recent_steps``."""
+    region, trained = RegionShare(None, 8), set()
+    for step in range(1, 23):
+        region.measured(0.10)
+        region.choose(lambda step=step: 0.10 if step <= 12 else 0.05)  # the others twice as fast
+        if region.trains(step):
+            trained.add(step)
+        if step == 12:
+            assert region.recent(12) == (0, 0)  # 5-12: every step, at k = 8
+        if step == 16:
+            at_send = region.recent(16)
+    assert region.steps == 4 and at_send == (len(trained & set(range(9, 17))), 8) == (6, 8)
+    assert region.recent(16) == at_send  # 6 steps later, as the round starts
+    assert recent_steps(16, 4, 8) == (4, 8)  # what the k of the moment gives
+    fixed = RegionShare(0.5, 8)
+    assert [fixed.trains(t) for t in range(1, 9)] == [trains(t, 4, 8) for t in range(1, 9)]
+    assert all(fixed.recent(s) == recent_steps(s, 4, 8) for s in range(1, 30))
+
+
 def test_inner_share_values_are_refused_in_one_line_naming_the_option() -> None:
     assert parse_shares("auto", 3) is None
     assert parse_shares("0.5", 3) == [0.5, 0.5, 0.5]

@@ -13,7 +13,8 @@ evaluations happen at the same steps as everyone else's.
 
 Its Δ_p then covers fewer tokens, and the round weighs it so: a send after step s tells the slice
 owners (trained_i, window_i), the steps it trained among the last window_i = min(H, s)
-(``recent_steps``; (0, 0) for a region that trains every step), and each owner's mean is
+(``recent_steps``; (0, 0) for a region that trains every step; under auto, each step at the k it was
+trained at: ``RegionShare.recent``), and each owner's mean is
 
     Σ_i w_i Δ_i / Σ_i w_i,   w_i = trained_i / window_i
 
@@ -115,6 +116,10 @@ class RegionShare:
         self.auto = share is None
         self.steps = inner_steps if share is None else share_steps(share, inner_steps)  # k
         self.times: deque[float] = deque(maxlen=inner_steps)  # auto: its last H step times
+        # auto: (step, k) of its last 2H steps. A sync sent after step s asks ``recent(s)`` when its
+        # round starts, after its outer gradient: at most τ < H steps later (the sync is applied after
+        # step s + τ, before step s + τ + 1 trains), so the window (s − H, s] is still here
+        self.k_at: deque[tuple[int, int]] = deque(maxlen=2 * inner_steps)
         if trial_step_s:  # a step measured before step 1 (``node.first_step_time``)
             self.times.append(trial_step_s)
 
@@ -133,10 +138,22 @@ class RegionShare:
         return changed
 
     def trains(self, step: int) -> bool:
+        """Whether it trains ``step`` at its k now (auto: the k is kept for ``recent``)."""
+        if self.auto:
+            self.k_at.append((step, self.steps))
         return trains(step, self.steps, self.inner_steps)
 
     def recent(self, step: int) -> tuple[int, int]:
-        return recent_steps(step, self.steps, self.inner_steps)
+        """(trained, window) up to ``step`` (``recent_steps``). Auto: each step of the window counted
+        at the k it was trained at; a step not asked of ``trains`` here (before a resume or a join)
+        at the k now."""
+        if not self.auto:
+            return recent_steps(step, self.steps, self.inner_steps)
+        start, known = max(0, step - self.inner_steps), dict(self.k_at)
+        ks = {t: known.get(t, self.steps) for t in range(start + 1, step + 1)}
+        if all(k == self.inner_steps for k in ks.values()):
+            return 0, 0
+        return sum(trains(t, k, self.inner_steps) for t, k in ks.items()), step - start
 
     @property
     def fraction(self) -> float:
