@@ -1,4 +1,6 @@
-"""The ``p2p-cocodc`` command line, run for real as ``python -m p2p_cocodc`` in a subprocess.
+"""The ``p2p-cocodc`` command line, run for real as ``python -m p2p_cocodc`` in a subprocess, or through
+the same entry point in this process (``run_here``) where the process is not what a test checks: the
+other algorithms' runs beside cocodc's two processes, and the refused values.
 
 Tiny settings keep each run to a few seconds; ``--threads 1`` keeps a shared 2-core machine from
 turning torch's thread pool into a spin-wait (and makes the hashes independent of the core count).
@@ -104,7 +106,9 @@ def assert_one_error_line(proc: subprocess.CompletedProcess[str], *names: str) -
 @pytest.fixture(scope="module")
 def runs(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One finished run per algorithm, plus a rerun of cocodc and one with another seed. cocodc and its
-    rerun are processes of their own, the others run in this process meanwhile (``run_here``)."""
+    rerun are processes of their own, the others run in this process meanwhile (``run_here``: the
+    folder and environment it sets for them meanwhile mean nothing to the processes, whose paths and
+    environment are given in full)."""
     folder = tmp_path_factory.mktemp("runs")
     extra = {"again": [], "seed1": ["--seed", "1"]}
     outs = {key: folder / f"{key}.jsonl" for key in [*OVERLAP, *extra]}
