@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.tiny_options import TINY
 
 CLI = [sys.executable, "-m", "p2p_cocodc"]
@@ -65,8 +66,9 @@ def torchrun(args: list[str], port: int, ranks: int = 2) -> list[str]:
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``p2p-cocodc ARGS`` to completion, output captured."""
-    return subprocess.run(CLI + args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    """``p2p-cocodc ARGS`` to completion in a process of its own (forked warm: tests/forkserver.py),
+    output captured."""
+    return forkserver.run(CLI[2], args, cwd, ENV, timeout)
 
 
 def run_here(
@@ -107,6 +109,9 @@ def spawn(
     ``prefix`` runs it through a command such as ``ip netns exec NS`` (which execs it: the group
     stays the same)."""
     log = open(cwd / log_name, "w")  # noqa: SIM115 - the process owns it until it ends
+    if not prefix and list(command[:2]) == [sys.executable, "-m"]:
+        with log:
+            return forkserver.start(command[2], args, cwd, ENV, log.fileno(), log.fileno())
     return subprocess.Popen(
         [*prefix, *command, *args],
         cwd=cwd,
