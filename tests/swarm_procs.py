@@ -111,7 +111,8 @@ def spawn(
     log = open(cwd / log_name, "w")  # noqa: SIM115 - the process owns it until it ends
     if not prefix and list(command[:2]) == [sys.executable, "-m"]:
         with log:
-            return forkserver.start(command[2], args, cwd, ENV, log.fileno(), log.fileno())
+            module, *given = command[2:]
+            return forkserver.start(module, [*given, *args], cwd, ENV, log.fileno(), log.fileno())
     return subprocess.Popen(
         [*prefix, *command, *args],
         cwd=cwd,
