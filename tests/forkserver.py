@@ -1,16 +1,17 @@
 """Peers forked from a warm process: ``python -m p2p_cocodc ARGS`` without paying for the imports.
 
-A peer, bootstrap or simulator process spends about 3 s of CPU importing torch, hivemind and
-torch._dynamo (the first AdamW step imports it) before its first line of its own; a full suite starts
-a few hundred of them on 2 cores. A fork server imports all of that once, then forks one child per
+A peer, bootstrap or simulator process spends about 2 s of CPU importing torch and torch._dynamo (the
+first AdamW step imports it) before its first line of its own; a full suite starts a few hundred of
+them on 2 cores. A fork server imports that and the package once, then forks one child per
 process a test starts. The child is a real process running the real entry point: ``runpy`` runs
 ``-m MODULE`` as ``python -m`` would, in its own session (process group), in the test's working
 directory and environment, its output in the test's file. The test holds a ``Forked``, which behaves
 as the ``subprocess.Popen`` it replaces (pid, poll, wait, signals).
 
 What a fork shares with its siblings and would not share as a fresh process, and why it is harmless:
-- the imported modules: nothing of ours or theirs keeps per-process state at import (the server
-  checks it has one thread before it forks: no lock held by another thread);
+- the imported modules: none of them starts a thread or makes a lock shared between processes as it
+  is imported (the server checks both before it forks: one thread, no multiprocessing lock), and
+  hivemind, which makes such locks, is imported by each child itself (0.3 s);
 - ``random``'s state: Python reseeds it in every forked child (``os.register_at_fork``); torch's is
   seeded by the run itself;
 - the hash seed of ``str``: the same in every child of one server. Two servers, started with their
@@ -22,8 +23,10 @@ The server serves the process that started it, and exits when that process does.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
+import multiprocessing.synchronize
 import os
 import runpy
 import selectors
@@ -36,11 +39,12 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-# What the processes the tests start import: the server imports it before it forks.
+# What the processes the tests start import, the server imports before it forks. Not hivemind: its
+# import makes multiprocessing locks (MPFuture's), which every fork would share with every other, so a
+# peer killed while holding one would stall the DHTs of all the others (it did, in test_stops).
 WARM = (
     "torch",
     "torch._dynamo",
-    "hivemind",
     "uvloop",
     "p2p_cocodc.cli.main",
     "p2p_cocodc.peer.node",
@@ -174,6 +178,11 @@ def _serve(address: str, client: int) -> dict | None:
     threads = len(os.listdir("/proc/self/task"))  # native ones too
     if threads != 1:
         raise RuntimeError(f"{threads} threads after the imports: a fork would copy locks they may hold")
+    shared = [o for o in gc.get_objects() if isinstance(o, multiprocessing.synchronize.SemLock)]
+    if shared:
+        raise RuntimeError(
+            f"the imports made {len(shared)} multiprocessing locks: every fork would share them"
+        )
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)
     listener.listen(64)

@@ -104,10 +104,11 @@ def simulate_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str
 
 def spawn(
     args: list[str], cwd: Path, log_name: str, prefix: Sequence[str] = (), command: Sequence[str] = CLI
-) -> subprocess.Popen:
+) -> subprocess.Popen | forkserver.Forked:
     """``p2p-cocodc ARGS`` (or ``command`` ARGS) in its own process group, output to ``log_name``;
     ``prefix`` runs it through a command such as ``ip netns exec NS`` (which execs it: the group
-    stays the same)."""
+    stays the same). A ``python -m`` command is forked from a warm server (``tests/forkserver.py``:
+    the same process, less about 2 s of CPU for its imports); one with a prefix is a new process."""
     log = open(cwd / log_name, "w")  # noqa: SIM115 - the process owns it until it ends
     if not prefix and list(command[:2]) == [sys.executable, "-m"]:
         with log:
