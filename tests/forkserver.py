@@ -234,6 +234,7 @@ def _become(request: dict) -> None:
     for fd in set(request["output"]) - {1, 2}:
         os.close(fd)
     os.chdir(request["cwd"])
+    sys.path[0] = request["cwd"]  # -m puts the working directory first
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [request["module"], *request["args"]]

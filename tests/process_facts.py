@@ -17,6 +17,7 @@ facts = {
     "hash": hash("p2p-cocodc"),
     "random": random.random(),
     "main": sys.modules["__main__"].__spec__.name,
+    "path0": sys.path[0],
 }
 print(json.dumps(facts), flush=True)
 print("to stderr", file=sys.stderr, flush=True)

@@ -27,7 +27,7 @@ def test_a_forked_process_is_the_process_asked_for(tmp_path: Path) -> None:
     assert done.returncode == 3, done.stderr
     assert got["pgid"] == got["sid"] == got["pid"] != os.getpid()  # its own session and group
     assert got["cwd"] == str(tmp_path) and got["argv"] == ["3"] and got["marker"] == "here"
-    assert got["main"] == FACTS  # run as python -m runs it
+    assert got["main"] == FACTS and got["path0"] == str(tmp_path)  # run as python -m runs it
     assert done.stderr == "to stderr\n"  # stdout and stderr apart
 
 
