@@ -22,6 +22,7 @@ The server serves the process that started it, and exits when that process does.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import itertools
@@ -30,6 +31,7 @@ import multiprocessing.synchronize
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -107,8 +109,9 @@ class ForkServer:
     """One warm server process (``python -m tests.forkserver``), started here and ended with us."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self._dir = tempfile.mkdtemp(prefix="p2p-cocodc-forks-")
-        self.address = os.path.join(self._dir, "server")
+        folder = tempfile.mkdtemp(prefix="p2p-cocodc-forks-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        self.address = os.path.join(folder, "server")
         env = {k: v for k, v in env.items() if k != "PYTHONHASHSEED"}  # a random one of its own
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.forkserver", self.address, str(os.getpid())],
@@ -144,7 +147,9 @@ _lock = threading.Lock()
 def start(
     module: str, args: Sequence[str], cwd: Path, env: dict[str, str], stdout: int, stderr: int
 ) -> Forked:
-    """The next of this process's two servers (made on first use) starts ``python -m MODULE ARGS``."""
+    """The next of this process's two servers starts ``python -m MODULE ARGS``. They are made on first
+    use, in the environment of that request (``tests/swarm_procs.py`` always passes its ``ENV``): the settings
+    read at import (``PYTHONPATH``, ``OMP_NUM_THREADS``) come from it."""
     with _lock:
         if not _servers:
             _servers.extend(ForkServer(env) for _ in range(2))
