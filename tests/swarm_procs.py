@@ -76,9 +76,10 @@ def run_here(
 ) -> subprocess.CompletedProcess[str]:
     """``p2p-cocodc ARGS`` run to completion in this process, in ``cwd`` and with ``env`` set in the
     environment meanwhile, output captured as a subprocess's would be: for the runs whose process is
-    not what a test checks (the simulator as an oracle, a refused option), which in a process of their
-    own would each spend about 3 s of CPU importing torch, hivemind and torch._dynamo first. The
-    simulator is deterministic on one thread, and this process runs torch on one (tests/conftest.py)."""
+    not what a test checks (the simulator as an oracle, a refused option), which need no process of
+    their own (a fresh one spends about 3 s of CPU on imports first, a forked one still a fork and
+    hivemind's import). The simulator is deterministic on one thread, and this process runs torch on
+    one (tests/conftest.py)."""
     from p2p_cocodc.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
