@@ -23,7 +23,8 @@ import pytest
 from tests import forkserver
 from tests.tiny_options import TINY
 
-CLI = [sys.executable, "-m", "p2p_cocodc"]
+CLI_MODULE = "p2p_cocodc"
+CLI = [sys.executable, "-m", CLI_MODULE]
 HOSTILE = [sys.executable, "-m", "tests.hostile_peer"]  # a member with one behaviour changed: + MODES
 REPO = Path(__file__).resolve().parent.parent
 # One torch thread per process: several peers share 2 cores here.
@@ -68,7 +69,7 @@ def torchrun(args: list[str], port: int, ranks: int = 2) -> list[str]:
 def run_cli(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     """``p2p-cocodc ARGS`` to completion in a process of its own (forked warm: tests/forkserver.py),
     output captured."""
-    return forkserver.run(CLI[2], args, cwd, ENV, timeout)
+    return forkserver.run(CLI_MODULE, args, cwd, ENV, timeout)
 
 
 def run_here(
