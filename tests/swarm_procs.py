@@ -110,15 +110,13 @@ def spawn(
     log_name: str,
     prefix: Sequence[str] = (),
     command: Sequence[str] = CLI,
-    fresh: bool = False,
 ) -> subprocess.Popen | forkserver.Forked:
     """``p2p-cocodc ARGS`` (or ``command`` ARGS) in its own process group, output to ``log_name``;
     ``prefix`` runs it through a command such as ``ip netns exec NS`` (which execs it: the group
     stays the same). A ``python -m`` command is forked from a warm server (``tests/forkserver.py``:
-    the same process, less about 2 s of CPU for its imports); one with a prefix, or ``fresh`` (where
-    a process's own start and stop are what the test checks), is a new process."""
+    the same process, less about 2 s of CPU for its imports); one with a prefix is a new process."""
     log = open(cwd / log_name, "w")  # noqa: SIM115 - the process owns it until it ends
-    if not prefix and not fresh and list(command[:2]) == [sys.executable, "-m"]:
+    if not prefix and list(command[:2]) == [sys.executable, "-m"]:
         with log:
             module, *given = command[2:]
             return forkserver.start(module, [*given, *args], cwd, ENV, log.fileno(), log.fileno())
@@ -251,7 +249,6 @@ def start_bootstrap(
     prefix: Sequence[str] = (),
     extra: Sequence[str] = (),
     ports: tuple[int, int] | None = None,
-    fresh: bool = False,
 ) -> Bootstrap:
     """``ports``: its libp2p and status ports (default: 0, so the bootstrap binds free ones itself,
     with no window in which another process may take a port picked for it; its address file says
@@ -259,7 +256,7 @@ def start_bootstrap(
     port, status_port = ports or (0, 0)
     argv = ["bootstrap", "--host", host, "--port", str(port), "--status-port", str(status_port)]
     argv += ["--identity", str(cwd / "bootstrap.id"), "--address-file", str(cwd / "bootstrap.json")]
-    proc = spawn([*argv, *extra], cwd, "bootstrap.log", prefix, fresh=fresh)
+    proc = spawn([*argv, *extra], cwd, "bootstrap.log", prefix)
     address = cwd / "bootstrap.json"
 
     def ready() -> dict | None:

@@ -32,7 +32,6 @@ import pytest
 
 from p2p_cocodc.models.saved import CONFIG_FILE
 from p2p_cocodc.run.checkpoint import committed
-from tests import swarm_procs
 from tests.swarm_procs import (
     Bootstrap,
     end_group,
@@ -42,14 +41,11 @@ from tests.swarm_procs import (
     group_members,
     records,
     socket_files,
+    spawn,
+    start_bootstrap,
     wait_for,
 )
 from tests.tiny_options import TINY_MODEL, TINY_SYNCS
-
-# What these tests check is a process's own start and stop (imports included, and the gaps in which
-# a signal finds the default action): each is a new process, not a fork of the tests' warm server.
-spawn = partial(swarm_procs.spawn, fresh=True)
-start_bootstrap = partial(swarm_procs.start_bootstrap, fresh=True)
 
 PEER = [*TINY_MODEL, *TINY_SYNCS, "--threads", "1"]
 SIGNALS = [signal.SIGINT, signal.SIGTERM]

@@ -709,14 +709,22 @@ async def unless_stopped(work: Awaitable[T], stop: asyncio.Event, stopped: Calla
 def stop_signals_to(
     loop: asyncio.AbstractEventLoop, handler: Callable[[signal.Signals], None]
 ) -> Iterator[None]:
-    """Inside, SIGINT and SIGTERM call ``handler(sig)`` on ``loop``; after, the caller's handlers are back."""
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    """Inside, SIGINT and SIGTERM call ``handler(sig)`` on ``loop``; after, the caller's handlers
+    are back, never the default action in between. Python handlers that schedule ``handler``, not
+    the loop's ``add_signal_handler``: removing that one puts the default action back until the
+    caller's is set again, and a second SIGTERM in that gap ended the peer by the signal (-15).
+    System calls restart after them (``siginterrupt(sig, False)``, as the loop's own handlers do):
+    torch's start of its shared-memory manager (in ``start_dht``) spins for ever on a read that
+    a signal interrupted (EINTR), and the peer then never saw the signal."""
+
+    def schedule(signum: int, frame: Any) -> None:
+        loop.call_soon_threadsafe(handler, signal.Signals(signum))
+
+    previous = {sig: signal.signal(sig, schedule) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, handler, sig)
+        signal.siginterrupt(sig, False)
     try:
         yield
     finally:
         for sig, old in previous.items():
-            loop.remove_signal_handler(sig)  # back to the default handler, then to the caller's
-            if old is not None:
-                signal.signal(sig, old)
+            signal.signal(sig, signal.SIG_DFL if old is None else old)
