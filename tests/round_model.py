@@ -201,6 +201,7 @@ class World:
         self.events = 0
         self.trace: list[str] | None = None
         self.checked_state = (0, 0, 0)
+        self.butterfly_means: dict[tuple, torch.Tensor] = {}  # members -> their butterfly mean
         self.dropped_last: set[tuple[str, str]] = set()  # links whose last message was dropped
         self.accusations: list[tuple[str, str, str]] = []  # (accuser, accused, why)
         self.forged_to: set[str] = set()  # peers the forger sent a private group
@@ -424,8 +425,10 @@ class World:
             asked = max(self.plan.paces.get(p, 0) for p, _ in members)
             if averages[0].pace != asked:
                 return f"the group's pace is {averages[0].pace}, its members asked for at most {asked}"
-            expected = butterfly_mean([self.vectors[p] for p, _ in members], self.codec).average
-            if not torch.equal(averages[0].average, expected):
+            if members not in self.butterfly_means:  # the same group, checked again as its peers settle
+                vectors = [self.vectors[p] for p, _ in members]
+                self.butterfly_means[members] = butterfly_mean(vectors, self.codec).average
+            if not torch.equal(averages[0].average, self.butterfly_means[members]):
                 return f"the average is not the butterfly mean of its members {members}"
         # honest peers agree; the forger's own outcome may differ (its machine ignores the lists
         # its process forged, and may complete a group of one: a liar's θ̄ is its own problem,
