@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_cocodc.swarm.state_transfer import (
+    UNANSWERED_PAUSES_S,
     Snapshot,
     StateServer,
     StateUnavailable,
@@ -344,6 +345,64 @@ def test_a_joiner_after_the_runs_last_step_is_told_the_run_ended(dhts) -> None:
             await pull_state(joiner, "t", "fp", ids(donors), step=12, step_time_s=1e3, last=LAST)
 
     with_donors(dhts, [sample_state(), sample_state()], body)
+
+
+def test_a_donor_that_could_not_be_asked_is_asked_again_after_a_pause(dhts) -> None:
+    """One of two donors does not answer the first ask (its server is not up: as when a dial fails
+    under load): the joiner waits ``UNANSWERED_PAUSES_S[0]`` on its clock, asks both again, and
+    takes the state from both. Asked again at once, it gave up within a second (test_hostile, once)."""
+
+    async def main() -> None:
+        joiner, (ready,) = await start_donors(dhts, [sample_state()])
+        late = Donor(await dhts[2].replicate_p2p(), sample_state())
+        donors = [ready, late]
+        pauses: list[float] = []
+
+        async def pause(seconds: float) -> None:  # the joiner's clock: the late donor is up when it ends
+            pauses.append(seconds)
+            await late.server.start()
+
+        try:
+            pulling = asyncio.ensure_future(
+                pull_state(joiner, "t", "fp", ids(donors), step=2, step_time_s=1e3, last=LAST, pause=pause)
+            )
+            await asked([ready], 2)
+            await train_until([ready], 2)  # it answers; the late donor's ask failed
+            await asked([late], 2)  # asked again, after the pause
+            await train_until([late], 2)
+            pulled = await pulling
+            assert pauses == [UNANSWERED_PAUSES_S[0]]
+            assert sorted(pulled.donors) == sorted(ids(donors)) and pulled.step == 2
+            assert_same(sample_state(), pulled.state)
+        finally:
+            await shutdown(joiner, donors)
+
+    asyncio.run(main())
+
+
+def test_a_donor_that_never_answers_ends_the_pull_after_every_pause(dhts) -> None:
+    async def main() -> None:
+        joiner, (ready,) = await start_donors(dhts, [sample_state()])
+        silent = await dhts[2].replicate_p2p()  # no state server: every ask to it fails
+        pauses: list[float] = []
+
+        async def pause(seconds: float) -> None:
+            pauses.append(seconds)
+
+        try:
+            donors = [*ids([ready]), silent.peer_id.to_base58()]
+            pulling = asyncio.ensure_future(pull_state(joiner, "t", "fp", donors, 2, 1e3, LAST, pause=pause))
+            await asked([ready], 2)
+            await train_until([ready], 2)
+            gave_up = r"fewer than 2 donors gave their state, asked 4 times"
+            with pytest.raises(StateUnavailable, match=gave_up):
+                await asyncio.wait_for(pulling, 60)
+            assert pauses == list(UNANSWERED_PAUSES_S)
+        finally:
+            await silent.shutdown()
+            await shutdown(joiner, [ready])
+
+    asyncio.run(main())
 
 
 def test_donors_that_disagree_are_refused(dhts) -> None:

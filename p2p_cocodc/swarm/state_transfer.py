@@ -32,7 +32,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +67,10 @@ KEEP_S = 300.0  # a snapshot is dropped this long after it was last asked for
 MAX_SNAPSHOTS = 2  # at most this many copies of the state at once
 STREAMS_PER_DONOR = 2
 ATTEMPTS = 6  # asks before a joiner gives up (each ask the donors did not answer waits up to 2 min)
-UNANSWERED_ASKS = 4  # of them, asks that too few donors answered
+# before each new ask after one that too few donors answered (a dial that failed under load, a donor
+# whose daemon has not yet learnt this peer's address, one busy with other joiners), the joiner waits
+# this long: 7 s over 4 asks, then it gives up. Asked again at once, a failed dial failed again at once
+UNANSWERED_PAUSES_S = (1.0, 2.0, 4.0)
 TENSOR_KEY = "__tensor__"
 DTYPES = {
     str(d).removeprefix("torch."): d
@@ -451,6 +454,7 @@ async def pull_state(
     step_time_s: float,
     last: int,
     link_mbps: float = SLOWEST_LINK_MBPS,
+    pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> Pulled:
     """The shared state at a step boundary ≥ ``step`` (and ≤ ``last``, the run's last step) that every
     asked donor agrees on.
@@ -462,7 +466,9 @@ async def pull_state(
     past ``last`` (a donor would wait for a step its run never reaches, and end before it answers).
     ``link_mbps``: this peer's declared link, which every chunk in flight shares
     (``chunk_link_mbps``). Needs the manifests of min(2, donors) donors, all with one digest (θ̄ is
-    bit-identical on live peers: a disagreement means a split swarm, never papered over)."""
+    bit-identical on live peers: a disagreement means a split swarm, never papered over); after an
+    ask that too few answered, it waits (``pause``, the clock) ``UNANSWERED_PAUSES_S`` and asks all
+    of them again."""
     started = time.perf_counter()
     need = min(2, len(donors))
     step = min(step, last)
@@ -495,10 +501,17 @@ async def pull_state(
             step, late = min(furthest + ahead * 2**late, last), late + 1
             continue
         if len(manifests) < need:
-            unanswered += 1
-            if unanswered < UNANSWERED_ASKS and attempt < ATTEMPTS - 1:  # busy with other joiners: again
+            if unanswered < len(UNANSWERED_PAUSES_S) and attempt < ATTEMPTS - 1:
+                wait = UNANSWERED_PAUSES_S[unanswered]
+                log.info("%d of %d donors gave their state (%s); asking again in %.0f s", len(manifests),
+                         need, "; ".join(reasons), wait)  # fmt: skip
+                unanswered += 1
+                await pause(wait)
                 continue
-            raise StateUnavailable(f"fewer than {need} donors gave their state: {'; '.join(reasons)}")
+            raise StateUnavailable(
+                f"fewer than {need} donors gave their state, asked {unanswered + 1} times over "
+                f"{time.perf_counter() - started:.0f} s: {'; '.join(reasons)}"
+            )
         digests = {m["digest"] for m in manifests.values()}
         if len(digests) > 1:
             raise StateUnavailable(
