@@ -336,3 +336,13 @@ def assert_replayed(tmp_path: Path, options: list[str], theta: str, events: str 
     sim = simulate_here(["--algo", "cocodc", *options, "--events", events, "--out", "replay.jsonl"], tmp_path)
     assert sim.returncode == 0, sim.stderr
     assert records(tmp_path / "replay.jsonl")[-1]["global_params_sha256"] == theta
+
+
+def thread_niceness(pid: int) -> dict[int, int]:
+    """Every thread of process ``pid`` with its niceness (/proc/PID/task/TID/stat, field 19)."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with open(task / "stat", encoding="utf-8") as stat:  # the name, in parentheses, may hold spaces
+            fields = stat.read().rsplit(")", 1)[1].split()
+        found[int(task.name)] = int(fields[16])
+    return found

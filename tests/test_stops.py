@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from p2p_cocodc.models.saved import CONFIG_FILE
+from p2p_cocodc.peer.cpu import TRAIN_NICENESS
 from p2p_cocodc.run.checkpoint import committed
 from tests.swarm_procs import (
     Bootstrap,
@@ -43,6 +44,7 @@ from tests.swarm_procs import (
     socket_files,
     spawn,
     start_bootstrap,
+    thread_niceness,
     wait_for,
 )
 from tests.tiny_options import TINY_MODEL, TINY_SYNCS
@@ -283,6 +285,9 @@ def test_a_training_peer_stops_with_its_summary_and_model(
     try:
         for target in peers:
             wait_for(partial(trained, tmp_path / f"{target}.jsonl", 2), STARTS_WITHIN_S, "training")
+        threads = thread_niceness(peers["pid"].pid)  # training yields the CPU to the syncs (peer/cpu.py)
+        main = threads[peers["pid"].pid]
+        assert min(main + TRAIN_NICENESS, 19) in threads.values(), threads
         for target, peer in peers.items():
             send(peer, sig, target)
         again_while_stopping(peers["group"], sig, "group", logs["group"])

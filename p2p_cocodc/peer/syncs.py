@@ -42,6 +42,7 @@ from p2p_cocodc.config.derived import declared_busy_s
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.models.data import Shard
 from p2p_cocodc.ops.monitoring import PeerMetrics, PeerSample
+from p2p_cocodc.peer.cpu import training_yields_cpu
 from p2p_cocodc.peer.in_flight import SentWith, load_screening, screening_state, sent_with
 from p2p_cocodc.peer.presence import Presence
 from p2p_cocodc.peer.region import Region
@@ -113,7 +114,7 @@ class SwarmReplica:
         self.trainer = region.wrap(trainer) if region is not None else trainer
         self.strategy = setup.strategy(self.trainer.model, settings, self.trainer.placement)
         self.eval_model = setup.eval_model()
-        self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train")
+        self.train_pool = ThreadPoolExecutor(1, thread_name_prefix="train", initializer=training_yields_cpu)
         self.step = 0
         self.step_time_s = step_time_s or 0.0
         self.min_step_s = 0.0  # --min-step-time: a slower region emulated
