@@ -509,7 +509,7 @@ async def pull_state(
                 await pause(wait)
                 continue
             raise StateUnavailable(
-                f"fewer than {need} donors gave their state, asked {unanswered + 1} times over "
+                f"fewer than {need} donors gave their state, asked {attempt + 1} times over "
                 f"{time.perf_counter() - started:.0f} s: {'; '.join(reasons)}"
             )
         digests = {m["digest"] for m in manifests.values()}
