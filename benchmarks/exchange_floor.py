@@ -82,6 +82,16 @@ def raw_tcp_node(me: int, addrs: list[str], size: int, rounds: int, t0: float, p
     return took
 
 
+async def written(paths: list[Path], what: str, within_s: float = 60.0) -> list[str]:
+    """The texts of ``paths`` once every one is written by the process that owns it."""
+    deadline = time.monotonic() + within_s
+    while not all(p.exists() and p.read_text() for p in paths):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not start within {within_s:.0f} s")
+        await asyncio.sleep(0.1)
+    return [p.read_text() for p in paths]
+
+
 async def exchange_node(args: argparse.Namespace) -> dict:
     import torch
 
@@ -96,21 +106,11 @@ async def exchange_node(args: argparse.Namespace) -> dict:
         dht = start_dht([], args.addrs[0], 0)
         first.write_text(str(dht.get_visible_maddrs()[0]))
     else:
-        deadline = time.monotonic() + 60
-        while not first.exists() or not first.read_text():
-            if time.monotonic() > deadline:
-                raise SystemExit("node 0's DHT did not start within 60 s")
-            await asyncio.sleep(0.1)
-        dht = start_dht([first.read_text()], args.addrs[args.node], 0)
+        (maddr,) = await written([first], "node 0's DHT")
+        dht = start_dht([maddr], args.addrs[args.node], 0)
     p2p = await dht.replicate_p2p()
     Path(f"{args.ids}.{args.node}").write_text(p2p.peer_id.to_base58())
-    ids = [Path(f"{args.ids}.{i}") for i in range(PEERS)]
-    deadline = time.monotonic() + 60
-    while not all(p.exists() and p.read_text() for p in ids):
-        if time.monotonic() > deadline:
-            raise SystemExit("the other nodes did not start within 60 s")
-        await asyncio.sleep(0.1)
-    peers = [p.read_text() for p in ids]
+    peers = await written([Path(f"{args.ids}.{i}") for i in range(PEERS)], "the other nodes")
     view = {peer: PeerRecord("training", 0, i, PEERS, 0.0, args.mbps, "b") for i, peer in enumerate(peers)}
     codec = get_codec(args.codec)
     exchange = FragmentExchange(
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> None:
                         stdout=subprocess.PIPE,
                         text=True,
                         cwd=ROOT,
-                    )  # fmt: skip
+                    )
                     for n in net.nodes
                 ]
                 outs = []

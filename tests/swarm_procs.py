@@ -339,10 +339,7 @@ def assert_replayed(tmp_path: Path, options: list[str], theta: str, events: str 
 
 
 def thread_niceness(pid: int) -> dict[int, int]:
-    """Every thread of process ``pid`` with its niceness (/proc/PID/task/TID/stat, field 19)."""
-    found = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with open(task / "stat", encoding="utf-8") as stat:  # the name, in parentheses, may hold spaces
-            fields = stat.read().rsplit(")", 1)[1].split()
-        found[int(task.name)] = int(fields[16])
-    return found
+    """Every thread of process ``pid`` (listed in /proc/PID/task) with its niceness."""
+    return {
+        int(t.name): os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()
+    }
