@@ -14,6 +14,9 @@ swarm key) with one behaviour changed. Run it as ``python -m tests.hostile_peer 
 - ``drift``: right before its last evaluation, its θ̄ moves by 1e-3 in one value: a split no round
   sees, which only the peers' comparison of θ̄ digests can catch.
 - ``drift-early``: the same, right before its first evaluation after step 0 (mid-run).
+- ``mute``: in the run's first round (``MUTED``), it hears nothing and says nothing, while it stays
+  on the board (a peer the others cannot reach, though it reaches the DHT: every peer of that round
+  settles it undecided).
 
 MODES is a comma-separated list. Everything else is the landed peer, unchanged.
 """
@@ -29,7 +32,8 @@ from p2p_cocodc.swarm.exchange import FragmentExchange
 from p2p_cocodc.swarm.messages import Group, Join
 from p2p_cocodc.swarm.round_events import leader_rank
 
-MODES = ("scale", "flip", "replay", "flood", "forge", "pairs", "nan", "drift", "drift-early")
+MODES = ("scale", "flip", "replay", "flood", "forge", "pairs", "nan", "drift", "drift-early", "mute")
+MUTED = "f0:4"  # the first round of the tests' runs (TINY_SYNCS: fragment 0 is sent after step 4)
 
 
 def by_shard(member: tuple[str, int]) -> int:
@@ -86,6 +90,19 @@ def corrupt(modes: set[str]) -> None:
             return await evaluated(self, step, state, record, started)
 
         SwarmReplica.evaluated = drifted  # type: ignore[method-assign]
+    if "mute" in modes:
+        receive, start_send = FragmentExchange.receive, FragmentExchange._start_send
+
+        def deaf(self, sender, message):  # type: ignore[no-untyped-def]
+            if getattr(message, "round_id", None) != MUTED:
+                receive(self, sender, message)
+
+        def silent(self, to, message):  # type: ignore[no-untyped-def]
+            if getattr(message, "round_id", None) != MUTED:
+                start_send(self, to, message)
+
+        FragmentExchange.receive = deaf  # type: ignore[method-assign]
+        FragmentExchange._start_send = silent  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ invariants after every event and returns a ``Verdict``; nothing here reads a rea
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import random
@@ -22,6 +23,7 @@ import torch
 
 from p2p_cocodc.algorithms.butterfly import butterfly_mean
 from p2p_cocodc.algorithms.codecs import get_codec
+from p2p_cocodc.swarm.agreement import Agreement, Reported
 from p2p_cocodc.swarm.messages import Group
 from p2p_cocodc.swarm.round import RoundMachine
 from p2p_cocodc.swarm.round_events import (
@@ -178,6 +180,8 @@ class Verdict:
 
 class World:
     """The peers, the network and the clock of one schedule."""
+
+    undecided_doubt = True  # an undecided peer publishes its doubt (False: the check's teeth test)
 
     def __init__(self, plan: Plan, rng: random.Random, machine: type[RoundMachine]) -> None:
         self.plan = plan
@@ -435,7 +439,7 @@ class World:
         # the θ̄ check outvotes it)
         live = set(self.live_peers()) - {self.plan.forger}
         live_completed = [p for p in completed if p in live]
-        # an Undecided peer takes the swarm's state again: it may sit beside either outcome
+        # an Undecided peer holds θ̄ in doubt until the θ̄ vote: it may sit beside either outcome
         live_failed = [p for p, o in self.outcomes.items() if p in live and isinstance(o, Failed | Lost)]
         if live_completed and live_failed:
             return f"live peers disagree: {live_completed} completed, {live_failed} did not"
@@ -461,6 +465,9 @@ class World:
         late = {p: t for p, t in self.settled_at.items() if p in live and t > bound}
         if late:
             return f"peers settled after the bound {bound:.0f} s: {late}"
+        split = self.vote_splits()
+        if split:
+            return split
         forger = self.plan.forger
         if forger is not None and not (self.plan.crash_at or self.plan.drop or self.plan.congested):
             others = [p for p in self.plan.ids if p != forger]
@@ -493,6 +500,39 @@ class World:
                 if tuple(sorted(m for m, _ in o.members)) != full and on_time:
                     return f"no faults and everyone on time, yet the group was {o.members}"
         return None
+
+    def vote_splits(self) -> str | None:
+        """The θ̄ vote at the next evaluation (``swarm/agreement.py``, the real one) over every live
+        peer, the forger with what its machine settled: the honest peers that do not find themselves
+        behind must hold one θ̄ (the others take it), and none may face a split nothing settles. A
+        peer that failed the round, or settled it undecided (in doubt), holds θ̄ without it."""
+        live = self.live_peers()
+        theta = {p: self._theta_after(p) for p in live}
+        undecided = {p for p in live if isinstance(self.outcomes.get(p), Undecided)}
+        doubt = {p: STEP if p in undecided and self.undecided_doubt else -1 for p in live}
+        kept: set[str] = set()
+        for p in live:
+            if p == self.plan.forger:
+                continue
+            mine = Agreement()
+            mine.record(STEP, theta[p])
+            if doubt[p] >= 0:
+                mine.doubt_from(doubt[p])
+            others = {q: Reported(STEP, {STEP: theta[q]}, doubt=doubt[q]) for q in live if q != p}
+            verdicts = mine.compare(others)
+            if any(not v.settled for v in verdicts):
+                return f"the θ̄ vote cannot settle the split on {p[:6]}: {verdicts[0].holders}"
+            if not any(v.behind for v in verdicts):
+                kept.add(theta[p])
+        if len(kept) > 1:
+            return f"honest peers keep {len(kept)} different θ̄ after the vote"
+        return None
+
+    def _theta_after(self, peer: str) -> str:
+        outcome = self.outcomes.get(peer)
+        if isinstance(outcome, Completed):
+            return hashlib.sha256(outcome.average.numpy().tobytes()).hexdigest()[:16]
+        return "without"
 
 
 def describe(item: object) -> str:

@@ -94,24 +94,63 @@ def test_honest_peers_shut_out_a_stranger_screen_bad_gradients_and_ban_a_floodin
         # (an honest peer fooled by a forger could relay those): they are ignored, not blamed
         assert set(s["accused"]) == {replayer, scaler}, s["accused"]
         assert flooder in s["refused"], s["refused"]
-        assert set(s["theta_disputed"]) <= {flooder}  # banned, it could only split off
+        # banned, the flooder could only split off; the forger of pairs, when it leads a round, may
+        # complete a group of itself alone, long after the honest peers it handed private pairs
+        # settled the round undecided: they go on in doubt, and outvote it (its own split)
+        assert set(s["theta_disputed"]) <= {flooder, scaler}, s["theta_disputed"]
+
+
+def test_a_member_that_answers_nothing_in_a_round_leaves_every_peer_in_doubt_and_the_vote_ends_it(
+    tmp_path: Path,
+) -> None:
+    """Three peers; one hears and says nothing in the first round (``mute``) while it stays on the
+    board, as a peer the others cannot reach would. Nobody can learn whether that round completed
+    somewhere, so every peer settles it undecided, the muted one too. Each goes on as if it failed,
+    its θ̄ in doubt, and the θ̄ digests of the next evaluation agree: the doubt ends and the run
+    finishes with one θ̄ and the success line on every peer. (Before, an undecided peer took the
+    swarm's state at once: peers resyncing together had no donor but each other, and one stopped
+    with "fewer than 2 donors gave their state".)"""
+    options = [*TINY_MODEL, "--workers", "3", "--steps", "16", *TINY_SYNCS, "--round-timeout", "5"]
+    codes = run_beside_a_hostile_peer(tmp_path, "mute", options, ["peer0", "peer1", "peer2"], "mute")
+    logs = [(tmp_path / f"peer{i}.log").read_text() for i in range(3)]
+    assert codes == [0, 0, 0], [log[-2000:] for log in logs]
+    summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
+    assert len({s["global_params_sha256"] for s in summaries}) == 1
+    for i, (log, summary) in enumerate(zip(logs, summaries, strict=True)):
+        assert (
+            "could not learn whether the swarm completed the sync of fragment 0 sent after step 4" in log
+        ), log
+        assert "holds θ̄ in doubt" in log and "taking the swarm's state" not in log, log
+        assert summary["theta_disputed"] == {} and summary["resyncs"] == 0, summary
+        assert "final val ppl" in log.strip().splitlines()[-1]  # the success line
+        first = next(r for r in records(tmp_path / f"peer{i}.jsonl") if r["kind"] == "round")
+        assert first["round"] == "f0:4" and not first["completed"], first
+
+
+def run_beside_a_hostile_peer(
+    tmp_path: Path, run_id: str, options: list[str], names: list[str], mode: str
+) -> list[int]:
+    """A bootstrap and one peer per name (``NAME.log``, ``NAME.jsonl``, data shard by position), the
+    last one hostile (``mode``, ``tests/hostile_peer.py``): their exit codes, in order."""
+    boot = start_bootstrap(tmp_path)
+    join = ["join", "--bootstrap", boot.host_port, "--run-id", run_id, *options, "--threads", "1", "--quiet"]
+    procs = [boot.proc]
+    try:
+        for i, name in enumerate(names):
+            args = [*join, "--shard", f"{i}/{len(names)}", "--out", f"{name}.jsonl"]
+            hostile = {"command": HOSTILE} if name == names[-1] else {}
+            procs.append(spawn([mode, *args] if hostile else args, tmp_path, f"{name}.log", **hostile))
+        return [proc.wait(timeout=300) for proc in procs[1:]]
+    finally:
+        for proc in procs:
+            end_group(proc)
 
 
 def run_with_a_broken_peer(tmp_path: Path, steps: int) -> list[tuple[int, str, dict]]:
     """Two peers, one of them broken (every outer gradient it sends is NaN, so every sync fails on
     both alike): (exit code, output, last --out record) of the honest one and the broken one."""
-    boot = start_bootstrap(tmp_path)
-    options = [*TINY_MODEL, "--workers", "2", "--steps", str(steps), *TINY_SYNCS, "--threads", "1", "--quiet"]
-    join = ["join", "--bootstrap", boot.host_port, "--run-id", "broken", *options, "--pace", "fixed"]
-    procs = [boot.proc]
-    try:
-        procs.append(spawn([*join, "--shard", "0/2", "--out", "honest.jsonl"], tmp_path, "honest.log"))
-        broken = ["nan", *join, "--shard", "1/2", "--out", "broken.jsonl"]
-        procs.append(spawn(broken, tmp_path, "broken.log", command=HOSTILE))
-        codes = [proc.wait(timeout=300) for proc in procs[1:]]
-    finally:
-        for proc in procs:
-            end_group(proc)
+    options = [*TINY_MODEL, "--workers", "2", "--steps", str(steps), *TINY_SYNCS, "--pace", "fixed"]
+    codes = run_beside_a_hostile_peer(tmp_path, "broken", options, ["honest", "broken"], "nan")
     ends = []
     for name, code in zip(("honest", "broken"), codes, strict=True):
         output = (tmp_path / f"{name}.log").read_text()

@@ -50,9 +50,11 @@ def agreement(**digests: str) -> Agreement:
     return mine
 
 
-def at(step: int, digest: str, now: int | None = None, joined_at: int = 0, training: bool = True) -> Reported:
+def at(
+    step: int, digest: str, now: int | None = None, joined_at: int = 0, training: bool = True, doubt: int = -1
+) -> Reported:
     """A board record that holds ``digest`` for ``step`` and is at step ``now`` (``step`` if None)."""
-    return Reported(step if now is None else now, {step: digest}, joined_at, training)
+    return Reported(step if now is None else now, {step: digest}, joined_at, training, doubt)
 
 
 def test_peers_that_agree_raise_nothing_and_unknown_steps_are_not_compared() -> None:
@@ -145,3 +147,57 @@ def test_after_a_resync_the_old_digests_are_still_compared_but_never_make_it_res
     assert mine.latest() == (16, "xx")  # still published: the others see the split too
     mine.record(16, "bb")  # evaluated again after taking the state: a digest of the θ̄ it holds now
     assert mine.compare({"p": at(16, "aa"), "q": at(16, "aa")})[0].behind
+
+
+def test_a_tie_goes_against_the_peers_in_doubt_and_a_strict_majority_of_them_still_wins() -> None:
+    """A peer that settled a round undecided goes on as if it failed, its θ̄ in doubt from the step
+    it applied nothing at. Two peers: the one that completed the round wins the tie, and the one in
+    doubt takes its state (it does not distrust it). Five, the CI failure of issue 21: four honest
+    peers in doubt outvote the one member that completed a group of one alone."""
+    (sure,) = agreement(s48="aa").compare({"u": at(48, "xx", doubt=44)})
+    assert sure.settled and not sure.behind and sure.by_doubt and sure.in_doubt == ("u",)
+    doubting = agreement(s48="xx")
+    doubting.doubt_from(44)
+    (verdict,) = doubting.compare({"p": at(48, "aa")})
+    assert verdict.settled and verdict.behind and verdict.by_doubt and verdict.in_doubt == ()
+    # a digest of a step before the doubt is not in doubt: a tie there settles nothing
+    (before,) = agreement(s40="aa").compare({"u": at(40, "xx", doubt=44)})
+    assert not before.settled and before.final
+    # both in doubt, apart: nobody knows
+    both = agreement(s48="xx")
+    both.doubt_from(44)
+    (none,) = both.compare({"u": at(48, "yy", doubt=44)})
+    assert not none.settled and none.final
+    # four in doubt against the one that completed alone: the strict majority is theirs
+    honest = {f"h{i}": at(48, "xx", doubt=44) for i in range(3)}
+    mine = agreement(s48="xx")
+    mine.doubt_from(44)
+    (majority,) = mine.compare({**honest, "f": at(48, "ff")})
+    assert majority.settled and not majority.behind and not majority.by_doubt
+    (outvoted,) = agreement(s48="ff").compare({**honest, "h3": at(48, "xx", doubt=44)})
+    assert outvoted.behind and not outvoted.by_doubt
+
+
+def test_a_doubt_ends_when_the_votes_confirm_it_or_the_peer_resyncs_and_stays_published_for_old_digests() -> (
+    None
+):
+    mine = agreement(s48="xx")
+    mine.doubt_from(44)
+    mine.doubt_from(46)  # a second undecided sync: the doubt still starts at the first
+    assert mine.doubt == 44 and mine.doubting
+    assert mine.compare({"p": at(48, "xx"), "q": at(40, "xx")}) == [] and mine.doubting  # q's vote to come
+    assert mine.compare({"p": at(48, "xx"), "q": at(48, "xx")}) == [] and not mine.doubting
+    assert mine.doubt == -1  # confirmed: nothing in doubt is published any more
+    # resynced in doubt: its old digests stay in doubt for the others, up to the step it took the
+    # state at (its new joined_at); its later ones are not in doubt
+    resynced = agreement(s48="xx")
+    resynced.doubt_from(44)
+    assert resynced.compare({"p": at(48, "aa")})[0].behind
+    resynced.resynced()
+    assert resynced.doubt == 44 and not resynced.doubting
+    record = Reported(56, {48: "xx", 56: "aa"}, joined_at=50, doubt=resynced.doubt)
+    assert record.in_doubt(48) and not record.in_doubt(56) and not record.in_doubt(40)
+    (old,) = agreement(s48="aa").compare({"r": record})
+    assert old.settled and old.by_doubt and old.in_doubt == ("r",)  # no split left to stop for
+    resynced.doubt_from(60)  # a new doubt after the resync starts afresh
+    assert resynced.doubt == 60 and resynced.doubting

@@ -311,6 +311,7 @@ valid_field = {
     "theta_step": st.integers(-1, 2**63),
     "theta_sha": st.text(max_size=16),
     "theta_earlier": st.lists(st.tuples(st.integers(-1, 2**63), st.text(max_size=17)).map(list), max_size=8),
+    "theta_doubt": st.integers(-2, 2**63),
     "region": st.text(alphabet=sorted(REGION_CHARS), max_size=MAX_REGION) | st.text(max_size=MAX_REGION + 1),
     "tokens_per_s": st.floats(0, 1e9),
     "val_ppl": st.just(NONE_YET) | st.floats(0, 1e308) | st.floats(-2, 0),
@@ -345,6 +346,7 @@ def check_peer_record(record: PeerRecord | None) -> None:
         assert is_int(x) and x >= 0
     assert is_int(r.resume_step) and r.resume_step >= -1
     assert is_int(r.theta_step) and r.theta_step >= -1
+    assert is_int(r.theta_doubt) and r.theta_doubt >= -1
     assert r.shard is None or (is_int(r.shard) and 0 <= r.shard < r.num_shards)
     for x in (r.step_time_s, r.bandwidth_mbps, r.stall_s, r.ttl_s, r.tokens_per_s):
         assert is_number(x) and x >= 0

@@ -13,7 +13,7 @@ from p2p_cocodc.swarm.group_claims import GroupClaims, Judgement
 from p2p_cocodc.swarm.messages import Code, Members, Message, Status
 from p2p_cocodc.swarm.round import RoundMachine
 from p2p_cocodc.swarm.round_events import Effect
-from tests.round_model import draw_plan, explore
+from tests.round_model import World, draw_plan, explore
 
 SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "4000"))
 CHUNKS = 8
@@ -58,6 +58,22 @@ def test_a_schedule_is_reproduced_exactly_from_its_seed() -> None:
     first, trace = explore(17, trace=True)
     again, trace_again = explore(17, trace=True)
     assert trace == trace_again and first.outcomes == again.outcomes and trace
+
+
+def test_the_theta_vote_settles_a_round_a_peer_could_not_learn_the_outcome_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer that settles the round undecided goes on in doubt, and the θ̄ vote of the next
+    evaluation (the real ``Agreement``) settles which side takes the swarm's state: the check runs
+    it after every schedule. Seeds 2551 and 3452 leave two live peers apart, one that completed the
+    round and one undecided (a congested link, a forger): without the doubt, neither side wins."""
+    for seed in (2551, 3452):
+        verdict, _ = explore(seed)
+        assert verdict.violation is None and "Undecided" in verdict.outcomes.values(), verdict
+    monkeypatch.setattr(World, "undecided_doubt", False)
+    for seed in (2551, 3452):
+        verdict, _ = explore(seed)
+        assert verdict.violation is not None and "cannot settle" in verdict.violation, verdict
 
 
 # ---- teeth: each variant drops one guard of the machine; the check must catch it ----

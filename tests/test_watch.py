@@ -92,6 +92,8 @@ def test_health_names_what_is_wrong_and_only_that() -> None:
         "odd": replace(ok, fingerprint="other"),
         "guard": replace(ok, refused={"odd": 4}, outliers={"behind": 1}),
         "stale": ok,
+        "doubt": replace(ok, theta_doubt=6),
+        "resynced": replace(ok, theta_doubt=6, joined_at=7),
     }
     ages = {p: 1.0 for p in records} | {"stale": 5.0}  # ttl 8 s: stale past 4 s
     said = health(records, ages)
@@ -102,6 +104,8 @@ def test_health_names_what_is_wrong_and_only_that() -> None:
         "odd": ["other options", "refused by 1"],
         "guard": ["refused 4"],
         "stale": ["stale record 5 s"],
+        "doubt": ["θ̄ in doubt"],
+        "resynced": [],
     }
 
 

@@ -66,6 +66,7 @@ PEER_FIELDS = (
     "theta_step",
     "theta_sha",
     "theta_earlier",
+    "theta_doubt",
     "region",
     "tokens_per_s",
     "val_ppl",

@@ -141,6 +141,7 @@ def health(records: dict[str, PeerRecord], ages: dict[str, float]) -> dict[str, 
     - ``other options``: a configuration or swarm key that most of the run's peers do not share
     - ``behind``: a fragment more than one sync behind the furthest training peer's
     - ``θ̄ differs``: at the step of its latest digest, most peers hold another θ̄
+    - ``θ̄ in doubt``: it could not learn whether a sync completed, and the θ̄ vote has not settled it
     - ``refused N``: it refused N messages (from non-members, or past the per-peer limits)
     - ``refused by K``, ``outlier for K``: K peers refused its messages, or left its slices out
     """
@@ -170,6 +171,8 @@ def health(records: dict[str, PeerRecord], ages: dict[str, float]) -> dict[str, 
                 said.append("behind")
         if r.theta_step >= 0 and _majority(digests[r.theta_step]) not in (None, r.theta_sha):
             said.append("θ̄ differs")
+        if 0 <= r.theta_doubt and r.joined_at <= r.theta_doubt:  # not since taken the swarm's state
+            said.append("θ̄ in doubt")
     for p, said in words.items():
         if refused := sum(records[p].refused.values()):
             said.append(f"refused {refused}")

@@ -235,6 +235,7 @@ class Presence:
                 {**dict(r.theta_earlier), r.theta_step: r.theta_sha},
                 r.joined_at,
                 r.state == "training",
+                r.theta_doubt,
             )
             for p, r in self._others("training", "done", "leaving").items()
         }
@@ -244,12 +245,17 @@ class Presence:
                 self.disputed[peer] = max(self.disputed.get(peer, -1), verdict.step)
             if verdict.behind:
                 self.split_from = verdict
-                outcome = "a majority holds another θ̄: this peer takes the swarm's state again"
+                outcome = (
+                    "the peers not in doubt hold another θ̄: this peer takes the swarm's state again"
+                    if verdict.by_doubt
+                    else "a majority holds another θ̄: this peer takes the swarm's state again"
+                )
             elif verdict.before_resync:  # what it held then; it has taken the swarm's state since
                 outcome = "this peer has taken the swarm's state since"
-            elif verdict.settled:
-                self.distrusted.update(verdict.disputed)  # split off from the majority: never a donor
-                outcome = "a majority holds this peer's θ̄"
+            elif verdict.settled:  # split off from the majority: never a donor (one in doubt resyncs)
+                self.distrusted.update(set(verdict.disputed) - set(verdict.in_doubt))
+                outcome = "the peers not in doubt hold this peer's θ̄" if verdict.by_doubt else (
+                    "a majority holds this peer's θ̄")  # fmt: skip
             elif verdict.final:
                 outcome = "no majority: nobody can tell which θ̄ is the swarm's"
             else:
@@ -287,10 +293,16 @@ class Presence:
             raise SyncsFailing(split_line(self.unsettled.step, dict(self.unsettled.holders)))
         if self.split_from is not None:
             verdict, self.split_from = self.split_from, None
+            holding = "the peers not in doubt" if verdict.by_doubt else "a majority of the peers"
             raise Rejoin(
-                f"θ̄ after step {verdict.step} differs from the one a majority of the peers hold (this "
+                f"θ̄ after step {verdict.step} differs from the one {holding} hold (this "
                 f"peer's disagrees with {', '.join(p[:12] for p in verdict.disputed)})"
             )
+
+    def doubt(self, step: int) -> None:
+        """This peer went on past a sync it could not learn the outcome of: its θ̄ from ``step`` on is
+        in doubt (published as ``theta_doubt``) until the digests confirm it (``swarm/agreement.py``)."""
+        self.agreement.doubt_from(step)
 
     def resyncing(self) -> None:
         """This peer is about to take the swarm's state: its digests so far are history, its verdicts void."""

@@ -466,7 +466,7 @@ class SwarmReplica:
         try:
             prepared = task.result()
         except RoundFailed as exc:
-            self._sync_failed(p, step, exc)
+            sync_failed(self, p, step, exc)
             self._record_round(round_id, completed=False)
             return True
         self.failed_in_a_row = 0
@@ -494,32 +494,6 @@ class SwarmReplica:
         members, pace = (list(group.shards), group.pace) if group is not None else ([], 0)
         record = {"kind": "round", "round": round_id, "step": self.step, "members": members, "pace": pace}
         self.records.write({**record, "completed": completed, **({"codec": codec} if codec else {})})
-
-    def _sync_failed(self, p: int, step: int, exc: RoundFailed) -> None:
-        """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one
-        the others completed without us (``RoundLost``) leaves θ̄ behind theirs, so this peer takes
-        the swarm's state again; and syncs that keep failing mean it is not training with a swarm."""
-        strategy = self.strategy
-        if isinstance(exc, RoundUndecided):
-            raise Rejoin(
-                f"this peer could not learn whether the swarm completed the sync of fragment {p} sent "
-                f"after step {strategy.in_flight[p].sent_step} ({exc})"
-            )
-        if isinstance(exc, RoundLost):
-            raise Rejoin(
-                f"the swarm completed the sync of fragment {p} sent after step "
-                f"{strategy.in_flight[p].sent_step} without this peer, and its average is no longer "
-                f"kept ({exc})"
-            )
-        log.warning("sync of fragment %d after step %d failed on every peer (%s); skipped", p, step, exc)
-        strategy.abandon(p)  # type: ignore[attr-defined]
-        self.failed_in_a_row += 1
-        if self.failed_in_a_row >= FAILING_STREAK * len(strategy.fragments):
-            raise SyncsFailing(
-                f"the last {self.failed_in_a_row} syncs all failed (last: {exc}); this peer is not "
-                "training with the swarm. Check that the other peers are reachable (--announce, "
-                "firewall) and alive (the bootstrap's /status)"
-            )
 
     async def after_boundary(self, step: int) -> None:
         if self.state_server is not None:
@@ -582,6 +556,43 @@ class SwarmReplica:
 
     def summary_fields(self, failure: str | None) -> dict[str, Any]:
         return peer_summary(self, failure)
+
+
+def sync_failed(replica: SwarmReplica, p: int, step: int, exc: RoundFailed) -> None:
+    """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one
+    the others completed without us (``RoundLost``) leaves θ̄ behind theirs, so this peer takes
+    the swarm's state again; one this peer could not learn the outcome of (``RoundUndecided``)
+    is abandoned too, θ̄ held in doubt until the peers' digests settle it (``swarm/agreement.py``:
+    peers that all took the swarm's state at once had nobody to take it from). Syncs that keep
+    failing mean this peer is not training with a swarm."""
+    strategy = replica.strategy
+    assert replica.presence is not None
+    sent = strategy.in_flight[p].sent_step
+    if isinstance(exc, RoundUndecided):
+        log.warning(
+            "this peer could not learn whether the swarm completed the sync of fragment %d sent after "
+            "step %d (%s); it goes on as if it failed, and holds θ̄ in doubt until the peers' θ̄ "
+            "digests show which θ̄ the swarm holds",
+            p,
+            sent,
+            exc,
+        )
+        replica.presence.doubt(step)
+    elif isinstance(exc, RoundLost):
+        raise Rejoin(
+            f"the swarm completed the sync of fragment {p} sent after step {sent} without this peer, "
+            f"and its average is no longer kept ({exc})"
+        )
+    else:
+        log.warning("sync of fragment %d after step %d failed on every peer (%s); skipped", p, step, exc)
+    strategy.abandon(p)  # type: ignore[attr-defined]
+    replica.failed_in_a_row += 1
+    if replica.failed_in_a_row >= FAILING_STREAK * len(strategy.fragments):
+        raise SyncsFailing(
+            f"the last {replica.failed_in_a_row} syncs all failed (last: {exc}); this peer is not "
+            "training with the swarm. Check that the other peers are reachable (--announce, "
+            "firewall) and alive (the bootstrap's /status)"
+        )
 
 
 async def finish_syncs(replica: SwarmReplica, stopping: bool) -> None:
@@ -757,6 +768,7 @@ def board_fields(replica: SwarmReplica) -> dict[str, Any]:
         "theta_step": theta_step,
         "theta_sha": theta_sha,
         "theta_earlier": presence.agreement.earlier() if presence is not None else [],
+        "theta_doubt": presence.agreement.doubt if presence is not None else -1,
         "tokens_per_s": replica.tokens_per_s(),
         "val_ppl": replica.val_ppl,
         "bytes_received": ex.stats.bytes_received if ex else 0,

@@ -78,6 +78,7 @@ class PeerRecord:
     theta_step: int = -1  # the step of its latest θ̄ digest (-1: none yet; swarm/agreement.py)
     theta_sha: str = ""  # the first 16 hex digits of sha256(θ̄) at that step
     theta_earlier: list[list[Any]] = field(default_factory=list)  # [step, digest] of the ones before
+    theta_doubt: int = -1  # its θ̄ is in doubt from this step on, until it took the swarm's state (-1: none)
     region: str = ""  # the name operators see (--region, else the peer id's start; "": none given)
     tokens_per_s: float = 0.0  # training throughput so far, waits for peers and evaluations left out
     val_ppl: float = NONE_YET  # the latest evaluation of θ̄
@@ -126,6 +127,8 @@ class PeerRecord:
             and isinstance(v["theta_sha"], str)
             and len(v["theta_sha"]) <= 16
             and _is_digests(v["theta_earlier"])
+            and _is_int(v["theta_doubt"])
+            and v["theta_doubt"] >= -1
             and all(_is_int(x) and x >= 0 for x in v["versions"])
             and _is_shape(v["proposed_shape"])
             and _is_shape(v["sync_shape"])

@@ -17,7 +17,7 @@ Phases (``docs/swarm.md`` has the full tables and every rule):
 - RECOVERING: it asks every peer it knows for the round's average (FETCH) and completes with any
   AVERAGE; it settles FAILED (or LOST: average gone) only when no peer asked may still produce one.
   A silent peer on the board may be live behind a congested link, so it stays asked; still silent
-  at ``Deadlines.undecided_by``, this peer settles UNDECIDED and takes the swarm's state again.
+  at ``Deadlines.undecided_by``, this peer settles UNDECIDED (the peer then holds θ̄ in doubt).
 - DONE: settled; it still answers, and re-sends its RESULTs until acknowledged or too late.
 The invariants the model checks after every event are listed in ``docs/swarm.md``."""
 

@@ -173,8 +173,9 @@ class Lost:
 @dataclass(frozen=True)
 class Undecided:
     """This peer could not learn whether the round completed: a peer on the board that may hold
-    its average answered nothing until ``Deadlines.undecided_by``. It takes the swarm's state
-    again rather than guess (a guess of "failed" splits θ̄ if that peer completed)."""
+    its average answered nothing until ``Deadlines.undecided_by``. The peer goes on as if the
+    round failed, with θ̄ in doubt (``swarm/agreement.py``): if that peer completed, θ̄ split, and
+    the peers' θ̄ digests settle which side takes the swarm's state."""
 
     reason: str
 
