@@ -559,12 +559,11 @@ class SwarmReplica:
 
 
 def sync_failed(replica: SwarmReplica, p: int, step: int, exc: RoundFailed) -> None:
-    """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one
-    the others completed without us (``RoundLost``) leaves θ̄ behind theirs, so this peer takes
-    the swarm's state again; one this peer could not learn the outcome of (``RoundUndecided``)
-    is abandoned too, θ̄ held in doubt until the peers' digests settle it (``swarm/agreement.py``:
-    peers that all took the swarm's state at once had nobody to take it from). Syncs that keep
-    failing mean this peer is not training with a swarm."""
+    """A sync that failed on every live peer alike is abandoned alike (θ̄ stays identical); one the
+    others completed without us (``RoundLost``) leaves θ̄ behind theirs: this peer takes the swarm's
+    state again; one it could not learn the outcome of (``RoundUndecided``) is abandoned too, θ̄ in
+    doubt until the digests settle it (``swarm/agreement.py``: peers that all took the state at
+    once had nobody to take it from). Syncs that keep failing: it is not training with a swarm."""
     strategy = replica.strategy
     assert replica.presence is not None
     sent = strategy.in_flight[p].sent_step
