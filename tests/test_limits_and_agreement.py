@@ -3,7 +3,7 @@ and made-up boards."""
 
 from __future__ import annotations
 
-from p2p_cocodc.swarm.agreement import KEEP, Agreement, Reported
+from p2p_cocodc.swarm.agreement import KEEP, Agreement, Reported, in_doubt
 from p2p_cocodc.swarm.limits import MAX_TRACKED, Limits, PeerLimiter
 
 
@@ -201,3 +201,5 @@ def test_a_doubt_ends_when_the_votes_confirm_it_or_the_peer_resyncs_and_stays_pu
     assert old.settled and old.by_doubt and old.in_doubt == ("r",)  # no split left to stop for
     resynced.doubt_from(60)  # a new doubt after the resync starts afresh
     assert resynced.doubt == 60 and resynced.doubting
+    # a joiner takes a donor's state of step 16 (``Peer._take_state``): in doubt if the donor's is
+    assert in_doubt(12, 0, 16) and not in_doubt(12, 14, 16) and not in_doubt(-1, 0, 16)

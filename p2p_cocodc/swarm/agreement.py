@@ -42,6 +42,13 @@ PUBLISHED = 8  # digests a board record carries (its latest and the ones before 
 DIGEST_CHARS = 16  # hex characters of sha256 published (64 bits: collisions are not the threat)
 
 
+def in_doubt(doubt: int, joined_at: int, step: int) -> bool:
+    """Whether a peer that publishes ``doubt`` (``theta_doubt``) and ``joined_at`` holds its θ̄ of
+    ``step`` in doubt: from its doubt step on, and before the step it took the swarm's state at, if
+    it did so since."""
+    return 0 <= doubt <= step and (joined_at <= doubt or step < joined_at)
+
+
 @dataclass(frozen=True)
 class Reported:
     """What another peer's board record says: the step it is at, and its latest θ̄ digests."""
@@ -53,9 +60,7 @@ class Reported:
     doubt: int = -1  # its θ̄ is in doubt from this step on, until it took the swarm's state (-1: none)
 
     def in_doubt(self, step: int) -> bool:
-        """Whether its digest of ``step`` is of a θ̄ held in doubt: from its ``doubt`` step on, and
-        before the step it took the swarm's state at, if it did so since."""
-        return 0 <= self.doubt <= step and (self.joined_at <= self.doubt or step < self.joined_at)
+        return in_doubt(self.doubt, self.joined_at, step)
 
     def may_vote(self, step: int) -> bool:
         """Whether it held, or will hold, a θ̄ of ``step`` (its digest of it may have slid out of its
