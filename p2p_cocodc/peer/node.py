@@ -42,7 +42,6 @@ from p2p_cocodc.run.checkpoint import Checkpoint, CheckpointWriter, committed, r
 from p2p_cocodc.run.loop import ReplicaLoop
 from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.setup import TrainingSetup
-from p2p_cocodc.swarm.agreement import in_doubt
 from p2p_cocodc.swarm.connections import Connections
 from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap, start_dht, stop_dht
 from p2p_cocodc.swarm.exchange import FragmentExchange
@@ -638,9 +637,7 @@ class Peer:
         if joining:  # a peer taking the state again may take the run's last one: it ends with the swarm's θ̄
             lobby.check_steps_left(pulled.step, self._seat())
         replica.join_from(pulled.state, pulled.step)
-        records = [presence.view[d] for d in pulled.donors if d in presence.view]
-        if any(in_doubt(r.theta_doubt, r.joined_at, pulled.step) for r in records):
-            presence.doubt(pulled.step)  # a donor holds its θ̄ of that step in doubt: so does this peer
+        presence.took_state(pulled.donors, pulled.step)
         if took_state(pulled, len(replica.pending), presence.swarm_step()):
             replica.catching_up = self._caught_up
             return

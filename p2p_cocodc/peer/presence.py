@@ -26,7 +26,7 @@ from typing import Any
 
 from p2p_cocodc.errors import UserError
 from p2p_cocodc.run.loop import Rejoin, SyncsFailing
-from p2p_cocodc.swarm.agreement import Agreement, Reported, Verdict, split_line
+from p2p_cocodc.swarm.agreement import Agreement, Reported, Verdict, in_doubt, split_line
 from p2p_cocodc.swarm.records import Board, PeerRecord
 
 log = logging.getLogger(__name__)
@@ -303,6 +303,13 @@ class Presence:
         """This peer went on past a sync it could not learn the outcome of: its θ̄ from ``step`` on is
         in doubt (published as ``theta_doubt``) until the digests confirm it (``swarm/agreement.py``)."""
         self.agreement.doubt_from(step)
+
+    def took_state(self, donors: list[str], step: int) -> None:
+        """This peer took the swarm's state of ``step`` from ``donors``: a donor that holds its θ̄ of
+        that step in doubt (its record says so) passes the doubt on."""
+        records = [self.view[d] for d in donors if d in self.view]
+        if any(in_doubt(r.theta_doubt, r.joined_at, step) for r in records):
+            self.doubt(step)
 
     def resyncing(self) -> None:
         """This peer is about to take the swarm's state: its digests so far are history, its verdicts void."""
