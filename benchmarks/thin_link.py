@@ -137,7 +137,7 @@ def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
         ["--paced-codec", args.paced_codec] if args.paced_codec else []
     ) + (["--data", args.data] if args.data else []) + (
         ["--no-final-sync"] if args.no_final_sync else []
-    )  # fmt: skip
+    ) + (["--min-step-time", str(args.min_step_time)] if args.min_step_time else [])  # fmt: skip
 
 
 def judge_codec(
@@ -756,6 +756,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each rate")
     parser.add_argument("--busy", action="store_true", help="keep one core busy beside the peers")
+    parser.add_argument(
+        "--min-step-time",
+        type=float,
+        default=0.0,
+        help="the peers' --min-step-time: steps no shorter than this, so that three peers' training "
+        "leaves this machine's CPU to their syncs, as regions on machines of their own do",
+    )
     parser.add_argument("--undeclared", action="store_true", help="peers do not declare their link rate")
     parser.add_argument("--narrow-to", type=float, help="re-shape the links to this many Mbit/s mid-run")
     parser.add_argument(
