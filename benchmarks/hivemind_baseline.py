@@ -666,6 +666,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     check(args)
     if not HELPER:  # what thin_link.training_options reads
         args.algo, args.rtt_ms, args.undeclared = "cocodc", PROFILES[args.profile].rtt_ms, False
+        args.min_step_time = 0.0  # its peers train at full speed, as hivemind's do
     return args
 
 
