@@ -14,6 +14,10 @@ the same model and steps. Runs go to ``--runs-dir`` (finished ones are reused); 
 ``docs/codecs.md``.
 
     python benchmarks/codecs.py --jobs 2    # ~40 min on 2 cores
+
+``--rows LABEL ...`` runs only those candidates, beside fp32, on the data chosen on and on each
+judge, and prints their tables without choosing or writing ``docs/codecs.md``: a new codec measured
+beside the others with the code of the day.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ CANDIDATES = {  # label -> options; every lossy one with error feedback (the def
     "fp4, no error feedback": {"codec": "fp4", "no-error-feedback": True},
     "q2": {"codec": "q2"},
     "q2, no error feedback": {"codec": "q2", "no-error-feedback": True},
+    "q1": {"codec": "q1"},
+    "q1, no error feedback": {"codec": "q1", "no-error-feedback": True},
     "topk4 k=1/4": {"codec": "topk4", "topk": 0.25},
     "topk4 k=1/8": {"codec": "topk4", "topk": 0.125},
     "topk2 k=1/8": {"codec": "topk2", "topk": 0.125},
@@ -89,13 +95,25 @@ def fewer_sends_section(sends: dict[str, dict], reference: dict, ddp: float) -> 
 
 
 def main() -> None:
-    args = study_arguments(study_parser(__doc__, "codecs"))
+    parser = study_parser(__doc__, "codecs")
+    parser.add_argument("--rows", nargs="+", choices=sorted(CANDIDATES), help="only these, beside fp32")
+    args = study_arguments(parser)
 
     def rows(candidates: dict[str, dict], data: str) -> dict[str, dict]:
         wanted = {label: configs(opts, data, args.seeds) for label, opts in candidates.items()}
         return run_rows(wanted, args.runs_dir, args.jobs)
 
     ddp = ddp_bytes()
+    if args.rows:
+        some = {label: CANDIDATES[label] for label in ["fp32", *args.rows]}
+        for data in (CHOOSE_ON, *JUDGE_ON):
+            measured = rows(some, data)
+            print(
+                "\n".join(
+                    [f"## `{data}`, seeds {args.seeds}", "", *table(measured, measured["fp32"], ddp), ""]
+                )
+            )
+        return
     chosen_rows = rows(CANDIDATES, CHOOSE_ON)
     reference = chosen_rows["fp32"]
     good = [label for label, row in chosen_rows.items() if row["mean"] <= BAR * reference["mean"]]

@@ -8,10 +8,10 @@ ALGORITHMS = ("ddp", "diloco", "streaming", "cocodc")
 # under way cannot take a new replica (there is no shared state beyond the replicas themselves)
 AVERAGE_GRADIENTS = ("ddp",)
 DC_RULES = ("tensor", "step")
-CODEC_NAMES = ("fp32", "bf16", "int8", "fp4", "q2", "topk2", "topk4")
-# the codecs too coarse to use without error feedback (2-bit values, or most values dropped), so
+CODEC_NAMES = ("fp32", "bf16", "int8", "fp4", "q2", "q1", "topk2", "topk4")
+# the codecs too coarse to use without error feedback (2 bits or 1 a value, or most values dropped), so
 # not for ddp's gradient average, which keeps none
-NEEDS_FEEDBACK = ("q2", "topk2", "topk4")
+NEEDS_FEEDBACK = ("q2", "q1", "topk2", "topk4")
 # the codecs that send more bytes per value than q2, which --paced-codec auto sends instead of
 # them while a slow link paces a cocodc swarm (fewer bytes a round, so more rounds through the link)
 FINER_THAN_Q2 = ("fp32", "bf16", "int8", "fp4")

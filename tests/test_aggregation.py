@@ -283,7 +283,7 @@ def captured_rounds(monkeypatch: pytest.MonkeyPatch, cfg: TrainConfig) -> list[l
     return rounds
 
 
-@pytest.mark.parametrize("codec", ["fp32", "fp4", "q2", "topk4"])
+@pytest.mark.parametrize("codec", ["fp32", "fp4", "q2", "q1", "topk4"])
 def test_honest_outer_gradients_are_never_screened_and_the_mean_is_unchanged(
     monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:

@@ -433,7 +433,8 @@ def test_help_lists_every_choice_without_importing_torch(env: dict[str, str]) ->
     help_text = subprocess.run(
         [sys.executable, "-m", "p2p_cocodc", "simulate", "--help"], capture_output=True, text=True, env=env
     ).stdout
-    assert "[fp32|bf16|int8|fp4|q2|topk2|topk4]" in help_text and "[ddp|diloco|streaming|cocodc]" in help_text
+    assert "[fp32|bf16|int8|fp4|q2|q1|topk2|topk4]" in help_text
+    assert "[ddp|diloco|streaming|cocodc]" in help_text
 
 
 # ---- conventions shared by every command ----

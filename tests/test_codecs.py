@@ -123,7 +123,15 @@ def test_int8_layout() -> None:
 
 @pytest.mark.parametrize(
     ("name", "ratio"),
-    [("bf16", 2.0), ("int8", 3.94), ("fp4", 7.11), ("q2", 12.8), ("topk2", 23.27), ("topk4", 19.69)],
+    [
+        ("bf16", 2.0),
+        ("int8", 3.94),
+        ("fp4", 7.11),
+        ("q2", 12.8),
+        ("q1", 25.6),
+        ("topk2", 23.27),
+        ("topk4", 19.69),
+    ],
 )
 def test_compression_ratio(name: str, ratio: float) -> None:
     n = 10**6
@@ -235,6 +243,38 @@ def test_q2_splits_each_block_at_its_rms_into_two_class_means() -> None:
     gauss = torch.randn(64 * 1000, generator=torch.Generator().manual_seed(1))
     error = (roundtrip(CODECS["q2"], gauss) - gauss).square().sum() / gauss.square().sum()
     assert 0.10 < float(error) < 0.125  # Lloyd-Max's 2-bit optimum for a Gaussian is 0.1175
+
+
+def test_q1_layout() -> None:
+    # mean |x| of [1, -3, 0, 2] is 1.5; the sign bits are 0b0010 (only -3 is negative)
+    payload = CODECS["q1"].encode(torch.tensor([1.0, -3.0, 0.0, 2.0]))
+    assert torch.frombuffer(bytearray(payload[:2]), dtype=torch.bfloat16).tolist() == [1.5]
+    assert payload[2:] == bytes([0b0010])
+    assert CODECS["q1"].decode(payload, 4).tolist() == [1.5, -1.5, 1.5, 1.5]
+
+
+def test_q1_sends_each_blocks_signs_and_mean_magnitude() -> None:
+    x = randn(64 * 50 + 17)
+    x[:64] = 0.0  # an all-zero block decodes to zeros
+    x[64:128] *= 1e36  # no sum of a block overflows
+    y = roundtrip(CODECS["q1"], x)
+    assert torch.equal(y[:64], torch.zeros(64))
+    for start in range(64, x.numel(), 64):  # the last block is short: its mean is of its real values
+        xb, yb = x[start : start + 64], y[start : start + 64]
+        assert torch.equal(yb.sign(), torch.where(xb < 0, -1.0, 1.0))
+        expected = (xb.abs().double().mean()).to(torch.bfloat16).float()
+        assert torch.allclose(yb.abs(), expected.expand(xb.numel()), rtol=2**-8, atol=0.0)
+    gauss = torch.randn(64 * 1000, generator=torch.Generator().manual_seed(1))
+    error = (roundtrip(CODECS["q1"], gauss) - gauss).square().sum() / gauss.square().sum()
+    assert 0.34 < float(error) < 0.38  # 1 − 2/π = 0.363 for signs scaled by the mean |x|
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
+def test_q1_bad_scale_rejected(scale: float) -> None:
+    payload = bytearray(CODECS["q1"].encode(randn(300)))  # 5 blocks: 5 scales, then the signs
+    payload[2:4] = torch.tensor([scale], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    with pytest.raises(UserError, match="block 1 has invalid scale"):
+        CODECS["q1"].decode(bytes(payload), 300)
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])

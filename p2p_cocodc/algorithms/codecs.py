@@ -26,6 +26,12 @@ are assumed little-endian, as x86 and ARM are), for a flat vector of ``n`` float
           the RMS with class means is Lloyd-Max's 2-bit quantizer for a Gaussian block, within
           1 % of its error, and keeps decoded values on their grid: a decoded block's RMS lies
           between its two magnitudes. Bytes: 4·nb + ceil(n/4).
+``q1``    one magnitude per block, block 64, ``nb = ceil(n/64)``: ``nb`` bfloat16 scales ``m``, the
+          mean ``|x|`` of the block (over its real values; computed as absmax·mean(|x|/absmax), so
+          that no sum overflows), then ``ceil(n/8)`` bytes of sign bits, element 8i + j in bit j,
+          the last byte zero-padded. Bit = ``x < 0``; value ``±m``: for signs alone, ``m`` is the
+          scale of least squared error (EF-SignSGD's, Karimireddy et al. 2019). Bytes: 2·nb +
+          ceil(n/8).
 ``topk2`` ``topk4``  SparseLoCo-style chunked top-k with b = 2 or 4 bits per value: chunks of
           ``C = 256`` values, ``nc = ceil(n/C)``, ``k`` slots per chunk (``--topk``: a fraction
           of C, rounded, at least 1; default 1/8). ``nc`` float32 scales ``s = absmax`` of the chunk, then
@@ -278,6 +284,36 @@ class Fp4Codec(Codec):
         return _FP4_TABLE[codes.long()].mul_(scales.repeat_interleave(self.block)[:numel])
 
 
+class Q1Codec(Codec):
+    """A sign a value and one magnitude per block of 64 (see the module docstring): 1.25 bits a
+    value, 25.6x smaller than fp32, half of q2's bytes; what it leaves out is error feedback's."""
+
+    name = "q1"
+    block = 64
+
+    def _wire_bytes(self, numel: int) -> int:
+        return 2 * -(-numel // self.block) + -(-numel // 8)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        blocks = _blocks(x, self.block)
+        xb = blocks.abs()
+        real = _blocks(torch.ones_like(x), self.block).sum(1)  # the last block's padding is no value
+        absmax = xb.amax(1)
+        unit = xb / torch.where(absmax > 0, absmax, 1.0)[:, None]
+        scales = unit.sum(1).div_(real.clamp_(min=1)).mul_(absmax).to(torch.bfloat16)
+        signs = (blocks < 0).to(torch.uint8).view(-1, 8)  # nblocks·64 divides by 8
+        packed = (signs << torch.arange(8, dtype=torch.uint8)).sum(1).to(torch.uint8)  # disjoint bits
+        return _to_bytes(scales, packed[: -(-x.numel() // 8)])
+
+    def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        nb = -(-numel // self.block)
+        scales = buf[: 2 * nb].view(torch.bfloat16).float()
+        _check_scales(self.name, scales)
+        signs = ((buf[2 * nb :, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[:numel]
+        magnitude = scales[torch.arange(numel) // self.block]
+        return torch.where(signs.bool(), -magnitude, magnitude)
+
+
 class Q2Codec(Codec):
     """Two magnitudes per block of 64 (see the module docstring): 2.5 bits a value, ~12.8x smaller
     than fp32, with about 12 % of a Gaussian block's energy in its error (fp4: ~4 %)."""
@@ -456,6 +492,7 @@ CODECS: dict[str, Codec] = {
         Int8Codec(),
         Fp4Codec(),
         Q2Codec(),
+        Q1Codec(),
         _make("topk2", DEFAULT_TOPK),
         _make("topk4", DEFAULT_TOPK),
     )
