@@ -64,6 +64,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +169,39 @@ def _to_bytes(*parts: torch.Tensor) -> bytes:
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """View ``x`` as (nblocks, block), zero-padded; zero padding never changes a block absmax."""
     return F.pad(x, (0, -x.numel() % block)).view(-1, block)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``bits``-bit codes (uint8) packed low bits first, 8/bits a byte, the last byte zero-padded."""
+    per = 8 // bits
+    grouped = F.pad(codes, (0, -codes.numel() % per)).view(-1, per)
+    packed = torch.zeros(grouped.shape[0], dtype=torch.uint8)
+    for j in range(per):
+        packed |= grouped[:, j] << (j * bits)
+    return packed
+
+
+def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first ``count`` ``bits``-bit codes of ``_pack``'s bytes."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((packed[:, None] >> shifts) & (2**bits - 1)).reshape(-1)[:count]
+
+
+class _Magnitudes(NamedTuple):
+    """A vector's blocks and their magnitudes scaled by each block's absmax (``_magnitudes``)."""
+
+    blocks: torch.Tensor  # (nblocks, block), zero-padded
+    absmax: torch.Tensor  # per block
+    unit: torch.Tensor  # |blocks| / absmax (÷ 1 in an all-zero block): sums and squares stay in range
+    real: torch.Tensor  # 1 on the vector's values, 0 on the last block's padding
+
+
+def _magnitudes(x: torch.Tensor, block: int) -> _Magnitudes:
+    blocks = _blocks(x, block)
+    magnitude = blocks.abs()
+    absmax = magnitude.amax(1)
+    unit = magnitude / torch.where(absmax > 0, absmax, 1.0)[:, None]
+    return _Magnitudes(blocks, absmax, unit, _blocks(torch.ones_like(x), block))
 
 
 def _check_scales(name: str, scales: torch.Tensor) -> None:
@@ -295,21 +329,16 @@ class Q1Codec(Codec):
         return 2 * -(-numel // self.block) + -(-numel // 8)
 
     def _encode(self, x: torch.Tensor) -> bytes:
-        blocks = _blocks(x, self.block)
-        xb = blocks.abs()
-        real = _blocks(torch.ones_like(x), self.block).sum(1)  # the last block's padding is no value
-        absmax = xb.amax(1)
-        unit = xb / torch.where(absmax > 0, absmax, 1.0)[:, None]
-        scales = unit.sum(1).div_(real.clamp_(min=1)).mul_(absmax).to(torch.bfloat16)
-        signs = (blocks < 0).to(torch.uint8).view(-1, 8)  # nblocks·64 divides by 8
-        packed = (signs << torch.arange(8, dtype=torch.uint8)).sum(1).to(torch.uint8)  # disjoint bits
-        return _to_bytes(scales, packed[: -(-x.numel() // 8)])
+        m = _magnitudes(x, self.block)
+        scales = m.unit.sum(1).div_(m.real.sum(1).clamp_(min=1)).mul_(m.absmax).to(torch.bfloat16)
+        signs = _pack((m.blocks < 0).to(torch.uint8).reshape(-1), 1)  # nblocks·64 divides by 8
+        return _to_bytes(scales, signs[: -(-x.numel() // 8)])
 
     def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
         nb = -(-numel // self.block)
         scales = buf[: 2 * nb].view(torch.bfloat16).float()
         _check_scales(self.name, scales)
-        signs = ((buf[2 * nb :, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[:numel]
+        signs = _unpack(buf[2 * nb :], 1, numel)
         magnitude = scales[torch.arange(numel) // self.block]
         return torch.where(signs.bool(), -magnitude, magnitude)
 
@@ -325,19 +354,15 @@ class Q2Codec(Codec):
         return 4 * -(-numel // self.block) + -(-numel // 4)
 
     def _encode(self, x: torch.Tensor) -> bytes:
-        blocks = _blocks(x, self.block)
-        xb = blocks.abs()
-        real = _blocks(torch.ones_like(x), self.block)  # 0 on the last block's padding
-        absmax = xb.amax(1)
+        m = _magnitudes(x, self.block)
+        xb = m.blocks.abs()
         # the RMS as absmax·rms(x/absmax): the squares of tiny values would underflow
-        unit = xb / torch.where(absmax > 0, absmax, 1.0)[:, None]
-        rms = unit.square().sum(1).div_(real.sum(1).clamp_(min=1)).sqrt_().mul_(absmax)
+        rms = m.unit.square().sum(1).div_(m.real.sum(1).clamp_(min=1)).sqrt_().mul_(m.absmax)
         high = xb > rms[:, None]  # padding is 0, never above the RMS
-        low = real.bool() & ~high
+        low = m.real.bool() & ~high
         scales = torch.stack([_class_mean(xb, low), _class_mean(xb, high)]).to(torch.bfloat16)
-        codes = high.to(torch.uint8) | ((blocks < 0).to(torch.uint8) << 1)
-        grouped = codes.view(-1, 4)  # nblocks·64 divides by 4
-        packed = grouped[:, 0] | grouped[:, 1] << 2 | grouped[:, 2] << 4 | grouped[:, 3] << 6
+        codes = high.to(torch.uint8) | ((m.blocks < 0).to(torch.uint8) << 1)
+        packed = _pack(codes.reshape(-1), 2)  # nblocks·64 divides by 4
         return _to_bytes(scales.reshape(-1), packed[: -(-x.numel() // 4)])
 
     def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
@@ -345,7 +370,7 @@ class Q2Codec(Codec):
         scales = buf[: 4 * nb].view(torch.bfloat16).float().view(2, nb)
         for scale in scales:  # lo, then hi: block j's are scales[:, j]
             _check_scales(self.name, scale)
-        codes = ((buf[4 * nb :, None] >> torch.arange(0, 8, 2, dtype=torch.uint8)) & 3).reshape(-1)[:numel]
+        codes = _unpack(buf[4 * nb :], 2, numel)
         block = torch.arange(numel) // self.block
         magnitude = scales[(codes & 1).long(), block]
         return torch.where(codes >= 2, -magnitude, magnitude)
@@ -398,18 +423,10 @@ class TopKCodec(Codec):
         codes = torch.where(used, m | ((value < 0).to(torch.uint8) << (self.bits - 1)), 0)
         if self.mask:  # bit j of byte i: position 8i + j (an unused slot's repeated index adds 0)
             bits = torch.zeros_like(xb, dtype=torch.uint8).scatter_add_(1, index, used.to(torch.uint8))
-            positions = (bits.view(-1, self.block // 8, 8) << torch.arange(8, dtype=torch.uint8)).sum(2)
+            positions = _pack(bits.reshape(-1), 1)
         else:
             positions = index
-        return _to_bytes(scales, positions.to(torch.uint8).reshape(-1), self._pack(codes.reshape(-1)))
-
-    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
-        per = 8 // self.bits
-        grouped = F.pad(codes, (0, -codes.numel() % per)).view(-1, per)
-        packed = torch.zeros(grouped.shape[0], dtype=torch.uint8)
-        for j in range(per):
-            packed |= grouped[:, j] << (j * self.bits)
-        return packed
+        return _to_bytes(scales, positions.to(torch.uint8).reshape(-1), _pack(codes.reshape(-1), self.bits))
 
     def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
         chunks = -(-numel // self.block)
@@ -418,11 +435,7 @@ class TopKCodec(Codec):
         _check_scales(self.name, scales)
         end = 4 * chunks + chunks * self.position_bytes
         positions = buf[4 * chunks : end].view(chunks, self.position_bytes)
-        per = 8 // self.bits
-        shifts = torch.arange(per, dtype=torch.uint8) * self.bits
-        codes = (
-            ((buf[end:, None] >> shifts) & (2**self.bits - 1)).reshape(-1)[:count].view(chunks, self.slots)
-        )
+        codes = _unpack(buf[end:], self.bits, count).view(chunks, self.slots)
         if self.mask:
             index, used = self._from_mask(positions, codes, numel)
         else:
@@ -440,7 +453,7 @@ class TopKCodec(Codec):
         """(index, used) per slot from a chunk's 256-bit mask: the set positions ascending, then
         unused slots (code 0) at the last of them."""
         chunks = mask.shape[0]
-        bits = ((mask[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(chunks, self.block).bool()
+        bits = _unpack(mask.reshape(-1), 1, chunks * self.block).view(chunks, self.block).bool()
         count = bits.sum(1)
         if bool((count > self.slots).any()):
             raise UserError(f"{self.name}: a chunk's mask has more than {self.slots} positions")
