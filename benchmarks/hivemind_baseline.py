@@ -667,6 +667,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     if not HELPER:  # what thin_link.training_options reads
         args.algo, args.rtt_ms, args.undeclared = "cocodc", PROFILES[args.profile].rtt_ms, False
         args.min_step_time = 0.0  # its peers train at full speed, as hivemind's do
+        args.eval_batches = 2  # as hivemind's peers evaluate (``eval_batches`` in its helper)
     return args
 
 

@@ -132,7 +132,7 @@ def training_options(args: argparse.Namespace, mbps: float) -> list[str]:
         "--algo", args.algo, "--model", "small", "--tokenizer", "byte", "--seq-len", "64",
         "--batch-size", "4", "--workers", str(PEERS), "--steps", str(args.steps),
         "--inner-steps", "24", "--fragments", "4", *syncs, "--eval-every", "24",
-        "--eval-batches", "2", "--threads", "1", "--quiet", *declared,
+        "--eval-batches", str(args.eval_batches), "--threads", "1", "--quiet", *declared,
     ] + (["--codec", args.codec] if args.codec else []) + (
         ["--paced-codec", args.paced_codec] if args.paced_codec else []
     ) + (["--data", args.data] if args.data else []) + (
@@ -762,6 +762,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="the peers' --min-step-time: steps no shorter than this, so that three peers' training "
         "leaves this machine's CPU to their syncs, as regions on machines of their own do",
+    )
+    parser.add_argument(
+        "--eval-batches",
+        type=int,
+        default=2,
+        help="validation batches in each peer's evaluations (and the replays'): 2 keeps them cheap; "
+        "more to compare final perplexities within 1 %%",
     )
     parser.add_argument("--undeclared", action="store_true", help="peers do not declare their link rate")
     parser.add_argument("--narrow-to", type=float, help="re-shape the links to this many Mbit/s mid-run")

@@ -748,13 +748,15 @@ def test_the_benchmarks_start_peers_with_options_that_join_accepts(tmp_path: Pat
 
     link = thin_link.arguments(["--profile", "thin", "--overlap", "auto", "--paced-codec", "same"])
     argvs = [["--bootstrap", "10.0.0.1:1", *thin_link.training_options(link, link.mbps[0])]]
-    held = thin_link.arguments(["--profile", "thin", "--overlap", "auto", "--min-step-time", "0.3"])
+    held = thin_link.arguments(
+        ["--profile", "thin", "--overlap", "auto", "--min-step-time", "0.3", "--eval-batches", "8"]
+    )
     argvs += [["--bootstrap", "10.0.0.1:1", *thin_link.training_options(held, held.mbps[0])]]
     baseline = hivemind_baseline.arguments(["--profile", "thin", "--paced-codec", "q2", "--no-final-sync"])
     where = hivemind_baseline.Placement(("ns", "10.0.0.9"), [("ns", f"10.0.0.{i}") for i in range(3)])
     _, _, peers = hivemind_baseline.commands("ours", baseline, where, tmp_path, 2.0, 96)
     argvs += [argv[argv.index("join") + 1 :] for argv, _ in peers]
-    min_steps = []
+    min_steps, eval_batches = [], []
     for argv in argvs:
         options = dict(join.make_context("join", list(argv)).params)
         for flag in ("config_path", "check", "quiet", "verbose"):
@@ -762,9 +764,11 @@ def test_the_benchmarks_start_peers_with_options_that_join_accepts(tmp_path: Pat
         swarm = {k: options.pop(k) for k in list(options) if k in SWARM.fields}
         cfg = _config_from(None, options)
         min_steps.append(_swarm_from(None, swarm).min_step_s)
+        eval_batches.append(cfg.eval_batches)
         assert cfg.model == "small" and cfg.overlap == "auto", argv
         sync_codecs(get_codec(cfg.wire_codec, cfg.topk), cfg.paced_wire_codec, cfg.topk, cfg.error_feedback)
     assert argvs[0][argvs[0].index("--paced-codec") + 1] == "same"
     assert argvs[-1][argvs[-1].index("--paced-codec") + 1] == "q2"
     assert "--no-final-sync" in argvs[-1] and "--no-final-sync" not in argvs[0]
     assert min_steps[:2] == [0.0, 0.3] and not any(min_steps[2:])  # thin_link --min-step-time reaches them
+    assert eval_batches[:2] == [2, 8] and set(eval_batches[2:]) == {2}  # and --eval-batches
