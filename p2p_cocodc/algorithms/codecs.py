@@ -187,10 +187,17 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return ((packed[:, None] >> shifts) & (2**bits - 1)).reshape(-1)[:count]
 
 
+def _codes(packed: torch.Tensor, bits: int, nblocks: int, block: int) -> torch.Tensor:
+    """``_pack``'s codes as (nblocks, block) int64 indices, the last block's padding code 0."""
+    codes = _unpack(packed, bits, nblocks * block)
+    return F.pad(codes, (0, nblocks * block - codes.numel())).view(nblocks, block).long()
+
+
 class _Magnitudes(NamedTuple):
     """A vector's blocks and their magnitudes scaled by each block's absmax (``_magnitudes``)."""
 
     blocks: torch.Tensor  # (nblocks, block), zero-padded
+    magnitude: torch.Tensor  # |blocks|
     absmax: torch.Tensor  # per block
     unit: torch.Tensor  # |blocks| / absmax (÷ 1 in an all-zero block): sums and squares stay in range
     real: torch.Tensor  # 1 on the vector's values, 0 on the last block's padding
@@ -201,7 +208,7 @@ def _magnitudes(x: torch.Tensor, block: int) -> _Magnitudes:
     magnitude = blocks.abs()
     absmax = magnitude.amax(1)
     unit = magnitude / torch.where(absmax > 0, absmax, 1.0)[:, None]
-    return _Magnitudes(blocks, absmax, unit, _blocks(torch.ones_like(x), block))
+    return _Magnitudes(blocks, magnitude, absmax, unit, _blocks(torch.ones_like(x), block))
 
 
 def _check_scales(name: str, scales: torch.Tensor) -> None:
@@ -338,9 +345,8 @@ class Q1Codec(Codec):
         nb = -(-numel // self.block)
         scales = buf[: 2 * nb].view(torch.bfloat16).float()
         _check_scales(self.name, scales)
-        signs = _unpack(buf[2 * nb :], 1, numel)
-        magnitude = scales[torch.arange(numel) // self.block]
-        return torch.where(signs.bool(), -magnitude, magnitude)
+        table = torch.stack([scales, -scales], 1)  # block j's two values, by sign bit: m, -m
+        return table.gather(1, _codes(buf[2 * nb :], 1, nb, self.block)).view(-1)[:numel]
 
 
 class Q2Codec(Codec):
@@ -355,7 +361,7 @@ class Q2Codec(Codec):
 
     def _encode(self, x: torch.Tensor) -> bytes:
         m = _magnitudes(x, self.block)
-        xb = m.blocks.abs()
+        xb = m.magnitude
         # the RMS as absmax·rms(x/absmax): the squares of tiny values would underflow
         rms = m.unit.square().sum(1).div_(m.real.sum(1).clamp_(min=1)).sqrt_().mul_(m.absmax)
         high = xb > rms[:, None]  # padding is 0, never above the RMS
@@ -370,15 +376,14 @@ class Q2Codec(Codec):
         scales = buf[: 4 * nb].view(torch.bfloat16).float().view(2, nb)
         for scale in scales:  # lo, then hi: block j's are scales[:, j]
             _check_scales(self.name, scale)
-        codes = _unpack(buf[4 * nb :], 2, numel)
-        block = torch.arange(numel) // self.block
-        magnitude = scales[(codes & 1).long(), block]
-        return torch.where(codes >= 2, -magnitude, magnitude)
+        table = torch.cat([scales, -scales]).t()  # block j's four values, by code: lo, hi, -lo, -hi
+        return table.gather(1, _codes(buf[4 * nb :], 2, nb, self.block)).view(-1)[:numel]
 
 
 def _class_mean(values: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
-    """Per row, the mean of ``values`` where ``member``; 0 for a row with none."""
-    return torch.where(member, values, 0.0).sum(1).div_(member.sum(1).clamp_(min=1))
+    """Per row, the mean of the finite ``values`` where ``member``; 0 for a row with none (the
+    product keeps a member's value and makes the others +0, as a select would, only faster)."""
+    return (values * member).sum(1).div_(member.sum(1).clamp_(min=1))
 
 
 class TopKCodec(Codec):
