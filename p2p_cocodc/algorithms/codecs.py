@@ -381,8 +381,8 @@ class Q2Codec(Codec):
 
 
 def _class_mean(values: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
-    """Per row, the mean of the finite ``values`` where ``member``; 0 for a row with none (the
-    product keeps a member's value and makes the others +0, as a select would, only faster)."""
+    """Per row, the mean of the finite, non-negative ``values`` where ``member``; 0 for a row with
+    none (the product keeps a member's value and makes the others +0, as a select would, faster)."""
     return (values * member).sum(1).div_(member.sum(1).clamp_(min=1))
 
 
