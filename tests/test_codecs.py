@@ -312,10 +312,11 @@ def test_int8_overflowing_scale_rejected() -> None:
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_encode_rejects_non_finite(name: str, bad: float) -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("at", [0, 42, 99])
+def test_encode_rejects_non_finite(name: str, bad: float, at: int) -> None:
     x = randn(100)
-    x[42] = bad
+    x[at] = bad
     with pytest.raises(UserError, match="NaN or Inf"):
         get_codec(name).encode(x)
 
