@@ -204,6 +204,12 @@ def _codes(packed: torch.Tensor, bits: int, nblocks: int, block: int) -> torch.T
     return F.pad(codes, (0, nblocks * block - codes.numel())).view(nblocks, block).long()
 
 
+def _first(blocks: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` values of decoded blocks, in a tensor of their own (no padding kept)."""
+    values = blocks.view(-1)
+    return values if values.numel() == numel else values[:numel].clone()
+
+
 class _Magnitudes(NamedTuple):
     """A vector's blocks and their magnitudes scaled by each block's absmax (``_magnitudes``)."""
 
@@ -357,7 +363,7 @@ class Q1Codec(Codec):
         scales = buf[: 2 * nb].view(torch.bfloat16).float()
         _check_scales(self.name, scales)
         table = torch.stack([scales, -scales], 1)  # block j's two values, by sign bit: m, -m
-        return table.gather(1, _codes(buf[2 * nb :], 1, nb, self.block)).view(-1)[:numel]
+        return _first(table.gather(1, _codes(buf[2 * nb :], 1, nb, self.block)), numel)
 
 
 class Q2Codec(Codec):
@@ -388,7 +394,7 @@ class Q2Codec(Codec):
         for scale in scales:  # lo, then hi: block j's are scales[:, j]
             _check_scales(self.name, scale)
         table = torch.cat([scales, -scales]).t()  # block j's four values, by code: lo, hi, -lo, -hi
-        return table.gather(1, _codes(buf[4 * nb :], 2, nb, self.block)).view(-1)[:numel]
+        return _first(table.gather(1, _codes(buf[4 * nb :], 2, nb, self.block)), numel)
 
 
 def _class_mean(values: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
