@@ -161,6 +161,34 @@ def test_two_peers_get_the_same_average_with_every_codec(dhts) -> None:
     assert all(s.rounds_done == len(CODECS) and s.rounds_failed == 0 for s in stats)
 
 
+def test_a_peer_carries_a_round_from_its_group_to_its_last_acknowledged_slice(dhts) -> None:
+    """``carrying()`` (the board's reads and publishes wait while it holds, ``peer/presence.py``):
+    false before a round, true while its slices are on the link, false again once every slice
+    this peer sent has been acknowledged."""
+
+    async def main():
+        exchanges = await make_pair(dhts)
+        seen: list[tuple[bool, bool]] = []
+        try:
+            before = [ex.carrying() for ex in exchanges]
+            vectors = [torch.randn(1 << 21), torch.randn(1 << 21)]  # 4 MB slices: milliseconds on the link
+            rounds = asyncio.gather(
+                *(ex.allreduce("r", v, 1) for ex, v in zip(exchanges, vectors, strict=True))
+            )
+            while not rounds.done():
+                seen.append(tuple(ex.carrying() for ex in exchanges))
+                await asyncio.sleep(0.001)
+            await rounds
+            await until(lambda: not any(ex.carrying() for ex in exchanges), "every slice to be acknowledged")
+        finally:
+            await stop_all(exchanges)
+        return before, seen
+
+    before, seen = asyncio.run(main())
+    assert before == [False, False]
+    assert any(a for a, _ in seen) and any(b for _, b in seen), "a peer was never seen carrying the round"
+
+
 def test_a_delivery_of_a_group_left_does_not_hold_up_the_link(dhts) -> None:
     """A bulk delivery waits for its acknowledgement before the next one to that peer is written.
     One of a group this peer has left (a lying leader's private pair, ``RoundMachine._on_group``)

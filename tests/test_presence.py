@@ -1,13 +1,14 @@
 """A peer's hearing of the board (``peer/presence.py`` ``Hearing``), on made-up times: a process
 stopped for a minute, five or thirty (SIGSTOP, a suspended VM) does not count its sleep as the
 DHT's silence, so on waking it resyncs instead of giving the swarm up; a DHT silent while the
-process runs is still given up."""
+process runs is still given up. And the heartbeat's reads and publishes wait while a round's
+slices are on the link, never longer than half a record's lifetime (``held_back``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from p2p_cocodc.peer.presence import Hearing
+from p2p_cocodc.peer.presence import Hearing, held_back
 
 BEAT = 1.0  # --heartbeat
 TTL = 8.0  # a record's lifetime
@@ -49,3 +50,12 @@ def test_a_late_beat_under_load_is_no_stop() -> None:
     assert not hearing.beat(3.0)  # 3 s late: a busy machine, not a stopped process
     assert hearing.silent_s(3.0, landed_at=0.0) == 3.0
     assert hearing.beat(3.0 + TTL)  # a whole record lifetime without a beat: it was stopped
+
+
+def test_the_board_waits_for_a_rounds_slices_at_most_half_a_record_lifetime() -> None:
+    last_ok = 100.0
+    # nothing on the link: every beat reads, and publishes when due
+    assert not any(held_back(False, last_ok + dt, last_ok, TTL) for dt in (0.0, 1.0, 3.9, 10.0))
+    # a round's slices on the link: held up to 4 s (half of 8) after the last success, then not
+    assert all(held_back(True, last_ok + dt, last_ok, TTL) for dt in (0.0, 1.0, 2.0, 3.9))
+    assert not any(held_back(True, last_ok + dt, last_ok, TTL) for dt in (4.0, 5.0, 30.0))

@@ -349,6 +349,7 @@ class Peer:
             on_records=self._on_board,
             on_lapse=lambda: self._move(Lifecycle.JOINING),  # the next beat must not say "training"
             can_rejoin=self.replica.strategy.takes_state,
+            carrying=lambda: self.exchange is not None and self.exchange.carrying(),
         )
         first = await self._first_look(presence)
         await presence.first_refresh(self.membership.key_id)

@@ -478,6 +478,11 @@ class FragmentExchange:
             slowest_link_mbps=link,
         )
 
+    def carrying(self) -> bool:
+        """Whether this peer's link carries a round's slices now: it is in a butterfly, or a PART
+        or RESULT of it awaits its acknowledgement (``Presence`` holds the board's reads back)."""
+        return bool(self.acks_awaited) or any(m.phase == Phase.RUNNING for m in self.open.values())
+
     def _board(self) -> dict[str, BoardPeer]:
         return {
             peer: BoardPeer(
