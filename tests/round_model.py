@@ -21,7 +21,7 @@ from itertools import count
 
 import torch
 
-from p2p_cocodc.algorithms.butterfly import butterfly_mean
+from p2p_cocodc.algorithms.butterfly import PIECE_BYTES, butterfly_mean
 from p2p_cocodc.algorithms.codecs import get_codec
 from p2p_cocodc.swarm.agreement import Agreement, Reported
 from p2p_cocodc.swarm.messages import Group
@@ -183,8 +183,11 @@ class World:
 
     undecided_doubt = True  # an undecided peer publishes its doubt (False: the check's teeth test)
 
-    def __init__(self, plan: Plan, rng: random.Random, machine: type[RoundMachine]) -> None:
+    def __init__(
+        self, plan: Plan, rng: random.Random, machine: type[RoundMachine], piece_bytes: int = PIECE_BYTES
+    ) -> None:
         self.plan = plan
+        self.piece_bytes = piece_bytes  # small: every member's slice comes in pieces
         self.rng = rng
         self.machine_cls = machine
         self.codec = get_codec(plan.codec)
@@ -258,6 +261,7 @@ class World:
                 DEADLINES,
                 self.view_of(peer),
                 self.now,
+                piece_bytes=self.piece_bytes,
             )
         return self.machines[peer]
 
@@ -431,7 +435,8 @@ class World:
                 return f"the group's pace is {averages[0].pace}, its members asked for at most {asked}"
             if members not in self.butterfly_means:  # the same group, checked again as its peers settle
                 vectors = [self.vectors[p] for p, _ in members]
-                self.butterfly_means[members] = butterfly_mean(vectors, self.codec).average
+                mean = butterfly_mean(vectors, self.codec, piece_bytes=self.piece_bytes)
+                self.butterfly_means[members] = mean.average
             if not torch.equal(averages[0].average, self.butterfly_means[members]):
                 return f"the average is not the butterfly mean of its members {members}"
         # honest peers agree; the forger's own outcome may differ (its machine ignores the lists
@@ -550,11 +555,12 @@ def describe(item: object) -> str:
 
 
 def explore(
-    seed: int, machine: type[RoundMachine] = RoundMachine, trace: bool = False
+    seed: int, machine: type[RoundMachine] = RoundMachine, trace: bool = False, piece_bytes: int = PIECE_BYTES
 ) -> tuple[Verdict, list[str]]:
-    """Run the schedule of ``seed``; with ``trace``, also every event and effect, one per line."""
+    """Run the schedule of ``seed``; with ``trace``, also every event and effect, one per line;
+    with a small ``piece_bytes``, every member's slice in pieces (``pieces_per_member``)."""
     plan = draw_plan(seed)
-    world = World(plan, random.Random(seed * 7919 + 1), machine)
+    world = World(plan, random.Random(seed * 7919 + 1), machine, piece_bytes)
     world.trace = [] if trace else None
     try:
         verdict = world.run(seed)

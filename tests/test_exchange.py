@@ -365,7 +365,7 @@ def test_a_frame_larger_than_the_runs_largest_message_is_refused_before_it_is_re
         {"code": int(Code.PART), "round": "r", "members": [["a", 0]], "index": 0, "numel": 3, "data": "text"},
         {"code": int(Code.PART), "round": "r", "members": [["a", 0]], "index": True, "numel": 3, "data": b""},
         {"code": int(Code.PART), "round": "r", "members": [["a", 0]], "index": 0, "numel": -1, "data": b""},
-        {"code": int(Code.PART), "round": "r", "members": [["a", 0]], "index": 1, "numel": 3, "data": b""},
+        {"code": int(Code.PART), "round": "r", "members": [["a", 0]], "index": 4, "numel": 3, "data": b""},
         {"code": int(Code.RESULT), "round": "r", "index": 0, "numel": 3, "data": b""},
         {"code": int(Code.PROBE), "round": "r", "shard": -1, "fingerprint": "x"},
         {"code": int(Code.JOIN), "round": "", "shard": 0, "fingerprint": "x"},

@@ -94,13 +94,17 @@ def test_an_average_is_slice_means_in_a_known_codec_one_per_member_or_fp32_data_
     base = {"code": int(Code.AVERAGE), "round": "f0:5", "members": members, "pace": 0, "numel": 8}
     means = {**base, "data": b"", "means": [b"ab", b"cd"], "codec": "q2"}
     assert parse_message(parse_message(means).to_wire()) == parse_message(means)
+    pieces = {**means, "means": [b"ab"] * 8}  # 4 pieces a member (MAX_PIECES)
+    assert parse_message(parse_message(pieces).to_wire()) == parse_message(pieces)
     older = parse_message({**base, "data": bytes(32)})  # no means: fp32, as an older peer sends it
     assert older.means == () and older.codec == ""  # type: ignore[attr-defined]
     fetch = {"code": int(Code.FETCH), "round": "f0:5", "ask": 1, "members": [], "pace": 0, "observer": False}
     assert parse_message(fetch).average and not parse_message({**fetch, "average": False}).average  # type: ignore[attr-defined]
     for bad, what in (
         ({**fetch, "average": 1}, "'average' must be a bool"),
-        ({**means, "means": [b"ab"]}, "one per member"),
+        ({**means, "means": [b"ab"]}, "one per slice"),  # 1 for 2 members
+        ({**means, "means": [b"ab"] * 3}, "one per slice"),  # 3 for 2 members: not M·C
+        ({**means, "means": [b"ab"] * 10}, "one per slice"),  # 5 a member, above MAX_PIECES
         ({**means, "codec": "zip"}, "known 'codec'"),
         ({**means, "data": b"x"}, "no 'data'"),
         ({**means, "means": [b"ab", "cd"]}, "list of bytes"),

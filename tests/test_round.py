@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from p2p_cocodc.algorithms.butterfly import slice_sizes
+from p2p_cocodc.algorithms.butterfly import PIECE_BYTES, butterfly_mean, pieces_per_member, slice_sizes
 from p2p_cocodc.algorithms.codecs import get_codec
 from p2p_cocodc.swarm.messages import Code, Group, Message, Part, Status, payload_bytes
 from p2p_cocodc.swarm.round import RoundMachine
@@ -166,10 +166,10 @@ def test_a_late_fetcher_takes_the_average_as_the_members_slice_means_bit_for_bit
     holds = [m for _, to, m in net.sent if m.code == Code.STATUS and to == C and m.status == Status.HOLDS]
     assert len(holds) == 1, net.sent
     assert all(payload_bytes(m) < 4 * 4096 / 8 for m in averages)  # q2: 2 bits and a scale per 64
-    again = average_reply(ROUND, taken, {}, net.codec)
+    again = average_reply(ROUND, taken, {}, 2, net.codec)
     assert again.means == averages[0].means and again.codec == "q2" and not again.data
     in_fp32 = dataclasses.replace(taken, means=())  # an average that came in fp32
-    assert average_reply(ROUND, in_fp32, {}, net.codec).data == taken.average.numpy().tobytes()
+    assert average_reply(ROUND, in_fp32, {}, 2, net.codec).data == taken.average.numpy().tobytes()
 
 
 def test_a_peer_that_led_alone_unseen_is_followed_not_split_from() -> None:
@@ -497,3 +497,35 @@ def test_an_id_ground_to_sort_first_leads_no_more_rounds_than_any_other() -> Non
     for round_id in rounds:
         leads[min(leads, key=lambda peer: leader_rank(round_id, peer))] += 1
     assert all(400 < count < 600 for count in leads.values()), leads  # 500 ± 4.5 standard deviations
+
+
+def test_an_owner_sends_a_pieces_mean_back_while_the_later_pieces_of_its_slice_are_on_their_way() -> None:
+    """A member's slice over ``PIECE_BYTES`` comes in pieces (``pieces_per_member``): its owner
+    reduces each piece once every member's part of it is in, and sends its mean back at once,
+    while the later pieces are still on their way: the butterfly's two phases overlap. The
+    average is still the butterfly's, bit for bit, on every member."""
+    net = Net({A: [B, C], B: [A, C], C: [A, B]})
+    numel = 3 * 2 * PIECE_BYTES // 4  # fp32: two pieces a member
+    assert pieces_per_member(numel, 3, net.codec) == 2
+    held: list[tuple[str, str, Message]] = []  # every member's parts of its second piece, for now
+    net.drop = lambda sender, to, m: (
+        m.code == Code.PART and m.piece() == 1 and not held.append((sender, to, m))
+    )
+    vectors = {
+        p: torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i, p in enumerate((A, B, C))
+    }
+    for peer in (A, B, C):
+        net.start(peer, vectors[peer])
+    net.run(0.25, net.settled(A, B, C))
+    order = sorted((A, B, C))  # the members, by data shard: member j owns slices j and j + 3
+    results = {(sender, m.index) for sender, _, m in net.sent if m.code == Code.RESULT}
+    assert results == {(p, j) for j, p in enumerate(order)}, results  # the first pieces' means, no other
+    assert {m.index for _, _, m in held} == {3, 4, 5} and not net.outcomes
+    net.drop = lambda sender, to, m: False
+    net.queue.extend(held)
+    net.deliver()
+    net.run(5.0, net.settled(A, B, C))
+    mean = butterfly_mean([vectors[p] for p in (A, B, C)], net.codec).average
+    assert all(isinstance(o, Completed) and torch.equal(o.average, mean) for o in net.outcomes.values())
+    results = {(sender, m.index) for sender, _, m in net.sent if m.code == Code.RESULT}
+    assert results == {(p, j + k) for j, p in enumerate(order) for k in (0, 3)}, results

@@ -9,6 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from p2p_cocodc.algorithms.butterfly import PIECE_BYTES
 from p2p_cocodc.swarm.group_claims import GroupClaims, Judgement
 from p2p_cocodc.swarm.messages import Code, Members, Message, Status
 from p2p_cocodc.swarm.round import RoundMachine
@@ -19,27 +20,37 @@ SCHEDULES = int(os.environ.get("P2P_COCODC_SCHEDULES", "4000"))
 CHUNKS = 8
 
 
-def explore_range(args: tuple[int, int, str]) -> list[tuple[int, str]]:
-    start, stop, variant = args
+def explore_range(args: tuple[int, int, str, int]) -> list[tuple[int, str]]:
+    start, stop, variant, piece_bytes = args
     machine = VARIANTS.get(variant, RoundMachine)
     found = []
     for seed in range(start, stop):
-        verdict, _ = explore(seed, machine)
+        verdict, _ = explore(seed, machine, piece_bytes=piece_bytes)
         if verdict.violation:
             found.append((seed, verdict.violation))
     return found
 
 
-def violations(count: int, variant: str = "", first: int = 0) -> list[tuple[int, str]]:
+def violations(
+    count: int, variant: str = "", first: int = 0, piece_bytes: int = PIECE_BYTES
+) -> list[tuple[int, str]]:
     """Explore ``count`` schedules on every core (2 here); the seeds that broke an invariant."""
     step = -(-count // CHUNKS)
-    ranges = [(first + i, min(first + i + step, first + count), variant) for i in range(0, count, step)]
+    ends = [(first + i, min(first + i + step, first + count)) for i in range(0, count, step)]
+    ranges = [(start, stop, variant, piece_bytes) for start, stop in ends]
     with ProcessPoolExecutor(min(os.cpu_count() or 1, 4)) as pool:
         return [v for found in pool.map(explore_range, ranges) for v in found]
 
 
 def test_every_invariant_holds_on_thousands_of_schedules() -> None:
     broken = violations(SCHEDULES)
+    assert not broken, f"{len(broken)} schedules broke an invariant, e.g. seed {broken[0][0]}: {broken[0][1]}"
+
+
+def test_every_invariant_holds_with_every_slice_in_pieces() -> None:
+    """The same schedules with each member's slice cut into up to ``MAX_PIECES`` pieces (4 wire
+    bytes a piece: every vector of the model is large enough), each reduced and sent on its own."""
+    broken = violations(SCHEDULES // 2, piece_bytes=4)
     assert not broken, f"{len(broken)} schedules broke an invariant, e.g. seed {broken[0][0]}: {broken[0][1]}"
 
 

@@ -21,9 +21,10 @@ type-checked and bounded, and anything else is a ``BadMessage`` naming what was 
 
 (†) and ``trained``: how many of the last ``window`` steps the sender trained (``--inner-share``;
 0 and 0: every step), which weighs its slice in the owner's mean (``algorithms/inner_share.py``).
-(‡) either ``means``, one per member in member order, the slice means its members' RESULTs carried
-in ``codec`` (the round's: the fetcher assembles the average from them as the members did, at the
-codec's size rather than fp32's), or, with ``means`` empty, ``data``: the average in fp32, bit-exact.
+(‡) either ``means``, one per slice in slice order (M·C: ``algorithms/butterfly.py``), the slice
+means its members' RESULTs carried in ``codec`` (the round's: the fetcher assembles the average
+from them as the members did, at the codec's size rather than fp32's), or, with ``means`` empty,
+``data``: the average in fp32, bit-exact.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar
 
+from p2p_cocodc.algorithms.butterfly import MAX_PIECES
 from p2p_cocodc.names import CODEC_NAMES
 from p2p_cocodc.swarm.wire import BadMessage, is_index
 
@@ -132,6 +134,10 @@ class Part(Group):
 
     def weight(self) -> tuple[int, int]:
         return self.trained, self.window
+
+    def piece(self) -> int:
+        """Which of its owner's pieces this slice is: slice ``index`` belongs to member index mod M."""
+        return self.index // len(self.members)
 
 
 @dataclass(frozen=True)
@@ -251,12 +257,14 @@ def parse_message(body: Any) -> Message:
         means, codec = body.get("means", []), body.get("codec", "")  # absent: an older peer's, fp32
         if not isinstance(means, list) or not all(isinstance(m, bytes) for m in means):
             raise BadMessage("AVERAGE's 'means' must be a list of bytes")
-        if means and (len(means) != len(members) or data or codec not in CODEC_NAMES):
-            raise BadMessage("AVERAGE's 'means' need one per member, a known 'codec' and no 'data'")
+        if means and (len(means) % len(members) or len(means) > MAX_PIECES * len(members)):
+            raise BadMessage(f"AVERAGE's 'means' need one per slice: 1 to {MAX_PIECES} per member")
+        if means and (data or codec not in CODEC_NAMES):
+            raise BadMessage("AVERAGE's 'means' need a known 'codec' and no 'data'")
         return Average(round_id, members, pace, numel, data, tuple(means), codec if means else "")
     index = body.get("index")
-    if not is_index(index) or index >= len(members):
-        raise BadMessage(f"{code.name} needs an int 'index' below the number of members")
+    if not is_index(index) or index >= MAX_PIECES * len(members):
+        raise BadMessage(f"{code.name} needs an int 'index' below {MAX_PIECES} times the number of members")
     trained, window = body.get("trained", 0), body.get("window", 0)  # absent (an older peer): every step
     if not is_index(trained) or not is_index(window) or window > MAX_PACE or trained > window:
         raise BadMessage(f"{code.name} needs ints 0 ≤ 'trained' ≤ 'window' ≤ {MAX_PACE}")

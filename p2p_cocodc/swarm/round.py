@@ -27,8 +27,8 @@ from collections.abc import Mapping
 
 import torch
 
-from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation
-from p2p_cocodc.algorithms.butterfly import slice_sizes
+from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation, Screening
+from p2p_cocodc.algorithms.butterfly import PIECE_BYTES, owner_cosines, pieces_per_member, slice_sizes
 from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.algorithms.inner_share import weight
 from p2p_cocodc.swarm.group_claims import GroupClaims
@@ -72,6 +72,7 @@ from p2p_cocodc.swarm.round_events import (
     Undecided,
     ViewChanged,
     average_reply,
+    job_key,
     leader_rank,
     settled_answer,
     short,
@@ -92,6 +93,7 @@ class RoundMachine:
         view: Mapping[str, BoardPeer],
         now: float,
         aggregation: Aggregation = MEAN,
+        piece_bytes: int = PIECE_BYTES,
     ) -> None:
         self.me = me
         self.round_id = round_id
@@ -99,6 +101,7 @@ class RoundMachine:
         self.fingerprint = fingerprint
         self.codec = codec
         self.aggregation = aggregation  # how the slice this peer owns is checked and averaged
+        self.piece_bytes = piece_bytes  # how large a slice's pieces are (``pieces_per_member``)
         self.earlier_cosines: Mapping[str, tuple[float, ...]] = {}  # members' c_i at our slices (Start)
         self.deadlines = deadlines
         self.view: dict[str, BoardPeer] = {}
@@ -121,7 +124,7 @@ class RoundMachine:
         self.wish = 0  # the pace this peer asks for (from Start)
         self.wishes: dict[str, int] = {}  # while leading: joined peer -> the pace it asked for
         self.joined: str | None = None  # the leader we sent JOIN to
-        self.early: dict[tuple[str, Code], Part] = {}  # deliveries that came before our group
+        self.early: dict[tuple[str, Code, int], Part] = {}  # deliveries that came before our group
         self.claims = GroupClaims(me, self.rank)  # which member lists we may believe, and who lied
         self.closing_since: float | None = None  # the leader's deadline passed: last probes are out
         self.leading_since: float | None = None  # since when this peer takes itself for the leader
@@ -129,17 +132,19 @@ class RoundMachine:
         self.points_to: dict[str, str] = {}  # peer -> the leader it named in its last LEADER answer
         self.gave_round_up = False  # asked for the average with no group: it joins no group, ever
         self.observer = False  # only here for the average (``observe``): no peer promises anything to it
-        self.last_sent: dict[tuple[Code, str], float] = {}
+        self.last_sent: dict[tuple[Code, str, int], float] = {}  # (kind, to, piece) -> when
         # the group and the butterfly
         self.members: Members | None = None
         self.pace = 0  # the group's pace, with its members
         self.adopted_at = now
         self.slices: list[bytes] | None = None
         self.sizes: list[int] = []
-        self.parts: dict[str, bytes] = {}
+        self.parts: dict[tuple[str, int], bytes] = {}  # (member, slice) -> its encoding, slices we own
         self.recent: dict[str, tuple[int, int]] = {}  # each PART's (trained, window); ours from Start
-        self.results: dict[str, bytes] = {}
-        self.acked: set[tuple[Code, str]] = set()
+        self.results: dict[int, bytes] = {}  # slice -> its owner's encoded mean
+        self.acked: set[tuple[Code, str, int]] = set()  # (kind, member, piece) acknowledged
+        self.finished_with: set[str] = set()  # members that settled: they need no RESULT of ours
+        self.screenings: dict[int, tuple[tuple[str, ...], Screening]] = {}  # our slices: (kept, screening)
         self.jobs_out: set[str] = set()
         self.recovery: Recovery | None = None
         self.screened_out: tuple[str, ...] = ()  # members left out of this peer's slice (outliers)
@@ -241,12 +246,12 @@ class RoundMachine:
 
     def _send(self, out: list[Effect], to: str, message: Message, now: float, expect: bool = True) -> None:
         out.append(Send(to, message))
-        self.last_sent[(message.code, to)] = now
+        self.last_sent[(message.code, to, self._piece(getattr(message, "index", 0)))] = now
         if expect:
             self._expect_answer(to, now)
 
-    def _due(self, code: Code, to: str, now: float, every: float | None = None) -> bool:
-        last = self.last_sent.get((code, to))
+    def _due(self, code: Code, to: str, now: float, every: float | None = None, index: int = 0) -> bool:
+        last = self.last_sent.get((code, to, self._piece(index)))
         return last is None or now - last >= (every if every is not None else self.deadlines.resend_s)
 
     # ---- events ----
@@ -278,7 +283,7 @@ class RoundMachine:
         if isinstance(msg, Join | Probe) and msg.fingerprint != self.fingerprint:
             self._reply_status(out, sender, Status.REFUSED, "your options differ from this run's", now)
             return  # a peer of another configuration is not a peer of this round
-        ran_mine = sender in self.parts or sender in self.results
+        ran_mine = self._ran_with(sender)
         judged = self.claims.judge(sender, msg, self.members, self.gave_round_up, ran_mine)
         if judged.why:
             out.append(Accuse(sender, judged.why))
@@ -302,7 +307,7 @@ class RoundMachine:
             self.answered_probe[sender] = now
             self._on_group(sender, msg, now, out)
         elif isinstance(msg, Ack):
-            self.acked.add((msg.kind, sender))
+            self.acked.add((msg.kind, sender, self._piece(msg.index)))
         elif isinstance(msg, Fetch):
             self._on_fetch(sender, msg, now, out)
         elif isinstance(msg, StatusReply):
@@ -330,9 +335,9 @@ class RoundMachine:
         elif not self._same_group(msg) and self.phase == Phase.RUNNING and self._is_member(sender):
             group, mine = (msg.members, msg.pace), (self.members, self.pace)
             if self.claims.leads_both(sender, group, mine):  # it lied: we switch, or stay, never recover
-                if self.claims.prefers(group, mine, self.me in self.results or "reduce" in self.jobs_out):
+                if self.claims.prefers(group, mine, self._reduced_any()):
                     self.phase = Phase.FORMING  # ours can never complete: our slice's mean is never sent
-                    self.parts, self.results, self.slices = {}, {}, None
+                    self.parts, self.results, self.slices, self.screenings = {}, {}, None, {}
                     self.acked, self.last_sent = set(), {}  # its parts go to every member at once
                     self._adopt(*group, now, out, f"from {short(sender)}, which led another group first")
             elif not self.claims.outranked(group, mine):  # an outranked list's members come to ours
@@ -348,13 +353,17 @@ class RoundMachine:
             if self.members is None:
                 leader = self.claims.first(msg.members)
                 if self.claims.names_me(msg.members) and leader in self.claims.joined:
-                    self.early[(sender, msg.code)] = msg  # ahead of our leader's GROUP: held until it
+                    self.early[(sender, msg.code, msg.piece())] = (
+                        msg  # ahead of our leader's GROUP: held until it
+                    )
                     self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint, self.wish), now)
                 return  # comes, which a JOIN asks for again now; any other list is never held or ACKed
         if not self._same_group(msg):
             if self.members is not None:
                 if self.claims.outranked((self.members, self.pace), (msg.members, msg.pace)):
-                    self.early[(sender, msg.code)] = msg  # our leader's other list: kept for a switch
+                    self.early[(sender, msg.code, msg.piece())] = (
+                        msg  # our leader's other list: kept for a switch
+                    )
                 self._send(out, sender, Group(self.round_id, self.members, self.pace), now, expect=False)
             else:
                 self._reply_settled(out, sender, now)
@@ -367,12 +376,13 @@ class RoundMachine:
         peers = [p for p, _ in self.members]
         if sender not in peers:
             return
-        me, them = peers.index(self.me), peers.index(sender)
-        box = self.parts if msg.code == Code.PART else self.results
-        if msg.index != (me if msg.code == Code.PART else them):
-            return  # not the slice this peer owns (or the sender owns): ignore, never ACK
-        if sender not in box and self.phase != Phase.DONE:
-            box[sender] = msg.data
+        owner = self.me if msg.code == Code.PART else sender
+        if msg.index >= self._slices() or peers[msg.index % len(peers)] != owner:
+            return  # not a slice this peer owns (or the sender owns): ignore, never ACK
+        key = (sender, msg.index) if msg.code == Code.PART else msg.index
+        box: dict = self.parts if msg.code == Code.PART else self.results
+        if key not in box and self.phase != Phase.DONE:
+            box[key] = msg.data
             if msg.code == Code.PART:
                 self.recent[sender] = msg.weight()
             self._check_size(sender, msg, now, out)
@@ -398,7 +408,7 @@ class RoundMachine:
         if isinstance(self.outcome, Completed) and not msg.average:
             self._reply_status(out, sender, Status.HOLDS, "completed: holds the average", now, msg.ask)
         elif isinstance(self.outcome, Completed):
-            reply = average_reply(self.round_id, self.outcome, self.results, self.codec)
+            reply = average_reply(self.round_id, self.outcome, self.results, self._slices(), self.codec)
             self._send(out, sender, reply, now, expect=False)
         elif self.outcome is not None or self.phase == Phase.RECOVERING:
             self._reply_settled(out, sender, now, msg.ask)
@@ -425,7 +435,7 @@ class RoundMachine:
     def _on_status(self, sender: str, msg: StatusReply, now: float, out: list[Effect]) -> None:
         status = msg.status
         if self.phase == Phase.DONE:
-            self.acked.add((Code.RESULT, sender))  # it settled too: it needs nothing more from us
+            self.finished_with.add(sender)  # it settled too: it needs nothing more from us
             return
         if self.phase == Phase.RECOVERING and self.recovery is not None:
             self._record_answer(sender, status, msg, now)
@@ -444,7 +454,7 @@ class RoundMachine:
 
     def _on_computed(self, event: Computed, now: float, out: list[Effect]) -> None:
         kind = event.job.kind
-        self.jobs_out.discard(kind)
+        self.jobs_out.discard(job_key(event.job))
         if self.phase == Phase.DONE:
             return
         if kind == "decode":
@@ -452,7 +462,7 @@ class RoundMachine:
                 msg, sender = event.job.inputs
                 members, pace = msg.members, msg.pace
                 assert isinstance(event.value, torch.Tensor)
-                ours = members == self.members and self.me in self.results  # our slice's mean is in it
+                ours = members == self.members and self._reduced_all()  # our slices' means are in it
                 kept = (self.screened_out, self.cosines) if ours else ((), ())  # so its screening counts
                 self._settle(Completed(event.value, members, pace, False, *kept, msg.means), now, out)
                 out.append(Note(f"round {self.round_id}: took the average {short(sender)} completed"))
@@ -463,17 +473,24 @@ class RoundMachine:
             self._recover(now, out, event.error)
         elif kind == "encode":
             assert isinstance(event.value, list) and self.members is not None
-            if len(event.value) != len(self.members):
+            if len(event.value) != self._slices():
                 return  # for a group this peer left (``_on_group``): the new one's is under way
             self.slices = event.value
-            self.parts[self.me] = self.slices[self._index(self.me)]
+            for s in self._mine():
+                self.parts[(self.me, s)] = self.slices[s]
         elif kind == "reduce":
             assert isinstance(event.value, tuple) and self.members is not None
-            self.results[self.me], screening = event.value
-            kept = event.job.inputs[3]
-            left_out = {kept[i] for i in screening.excluded} | self.replayed
+            s, kept = event.job.inputs[7], event.job.inputs[3]
+            self.results[s], screening = event.value
+            self.screenings[s] = (kept, screening)
+            if not self._reduced_all():
+                return
+            judged = [self.screenings[i] for i in self._mine()]
+            left_out = {k[i] for k, sc in judged for i in sc.excluded} | self.replayed
             self.screened_out = tuple(p for p, _ in self.members if p in left_out)
-            self.cosines = tuple(zip(kept, screening.cosines, strict=False))
+            same_kept = all(k == kept for k, _ in judged)  # a replay found between pieces: none recorded
+            cosines = owner_cosines([sc for _, sc in judged]) if same_kept else ()
+            self.cosines = tuple(zip(kept, cosines, strict=False))
             if self.screened_out:
                 names = [short(p) for p in self.screened_out]
                 out.append(Note(f"round {self.round_id}: left {names} out of my slice's mean (outliers)"))
@@ -604,7 +621,7 @@ class RoundMachine:
         if self.phase == Phase.FORMING:
             self._enter_group(now, out)
             held, self.early = self.early, {}  # deliveries of this group are taken now; those of a
-            for (sender, _), early in sorted(held.items()):  # list our leader prefers, held again
+            for (sender, _, _), early in sorted(held.items()):  # list our leader prefers, held again
                 self._on_delivery(sender, early, now, out)
 
     def _enter_group(self, now: float, out: list[Effect]) -> None:
@@ -617,53 +634,57 @@ class RoundMachine:
         if len(self.members) == 1:  # the average is our own vector (read only, never written: no copy)
             self._settle(Completed(self.vector, self.members, self.pace, by_butterfly=True), now, out)
             return
-        self.sizes = slice_sizes(self.vector.numel(), len(self.members), self.codec.block)
-        expected = self.codec.wire_bytes(self.sizes[self._index(self.me)])
-        for sender in list(self.parts):
-            if sender != self.me and len(self.parts[sender]) != expected:
+        numel, count = self.vector.numel(), len(self.members)
+        self.sizes = slice_sizes(
+            numel, count * pieces_per_member(numel, count, self.codec, self.piece_bytes), self.codec.block
+        )
+        for sender, s in list(self.parts):
+            if sender != self.me and len(self.parts[(sender, s)]) != self.codec.wire_bytes(self.sizes[s]):
                 self._recover(now, out, f"peer {short(sender)} sent a slice of the wrong size")
                 return
         self.jobs_out.add("encode")
-        out.append(Compute(Job("encode", (self.vector, len(self.members)))))
+        out.append(Compute(Job("encode", (self.vector, self._slices()))))
 
     def _run(self, now: float, out: list[Effect]) -> None:
         assert self.members is not None
         peers = [p for p, _ in self.members]
         if self.slices is not None:
-            for j, peer in enumerate(peers):
-                if peer != self.me:
-                    self._deliver(out, peer, Code.PART, j, self.slices[j], now)
-        if self.slices is not None and len(self.parts) == len(peers) and self.me not in self.results:
-            if "reduce" not in self.jobs_out:
-                mine = self._index(self.me)
-                self.jobs_out.add("reduce")
+            for s, data in enumerate(self.slices):
+                if (owner := peers[s % len(peers)]) != self.me:
+                    self._deliver(out, owner, Code.PART, s, data, now)
+        for s in self._mine() if self.slices is not None else ():
+            if s not in self.results and f"reduce {s}" not in self.jobs_out and self._all_parts(s):
+                self.jobs_out.add(f"reduce {s}")
                 kept = tuple(p for p in peers if p not in self.replayed)  # a replayed slice never counts
                 earlier = tuple(self.earlier_cosines.get(p, ()) for p in kept)
-                inputs = ([self.parts[p] for p in kept], self.sizes[mine], self.aggregation, kept, earlier)
+                inputs = ([self.parts[(p, s)] for p in kept], self.sizes[s], self.aggregation, kept, earlier)
                 weights = tuple(weight(*self.recent.get(p, (0, 0))) for p in kept)
-                out.append(Compute(Job("reduce", (*inputs, len(peers), weights))))  # M: the mean's format
-        if self.me in self.results:
-            for peer in peers:
+                out.append(Compute(Job("reduce", (*inputs, len(peers), weights, s))))  # M: the mean's format
+        for s in self._mine():
+            for peer in peers if s in self.results else ():
                 if peer != self.me:
-                    self._deliver(out, peer, Code.RESULT, self._index(self.me), self.results[self.me], now)
-        if len(self.results) == len(peers) and "assemble" not in self.jobs_out:
+                    self._deliver(out, peer, Code.RESULT, s, self.results[s], now)
+        if len(self.results) == self._slices() and "assemble" not in self.jobs_out:
             self.jobs_out.add("assemble")
-            out.append(Compute(Job("assemble", ([self.results[p] for p in peers], list(self.sizes)))))
+            means = [self.results[s] for s in range(self._slices())]
+            out.append(Compute(Job("assemble", (means, list(self.sizes), len(peers)))))
             return
         wire = self.codec.round_bytes(self.vector.numel() if self.vector is not None else 0, len(peers))
         if now >= self.deadlines.allreduce_by(self.adopted_at, wire):
             self._recover(now, out, "the all-reduce timed out")
             return
-        missing = [p for p in peers if p not in self.parts or p not in self.results]
+        missing = [p for p in peers if not self._has_all_of(p)]
         gone = [p for p in missing if p != self.me and p not in self.present(now) - self.gave_up]
         if gone:
             self._recover(now, out, f"member {short(gone[0])} is gone")
 
     def _deliver(self, out: list[Effect], peer: str, code: Code, index: int, data: bytes, now: float) -> None:
         """Send a PART or RESULT until the member acknowledges it (or is gone)."""
-        if (code, peer) in self.acked or peer not in self.present(now):
+        if (code, peer, self._piece(index)) in self.acked or peer in self.finished_with:
+            return
+        if peer not in self.present(now):
             return  # a member that is leaving still needs our slices: it is finishing this round
-        if self._due(code, peer, now, self.deadlines.resend_after(len(data))):
+        if self._due(code, peer, now, self.deadlines.resend_after(len(data)), index):
             assert self.members is not None
             recent = self.recent[self.me] if code == Code.PART else (0, 0)
             message = (Part if code == Code.PART else Result)(
@@ -675,17 +696,21 @@ class RoundMachine:
         if (
             not isinstance(self.outcome, Completed)
             or not self.outcome.by_butterfly
-            or self.me not in self.results
+            or not self._reduced_all()
         ):
             return []
         if now >= self.deadlines.allreduce_by(self.adopted_at, 0) + self.deadlines.answer_s:
             return []
         peers = [p for p, _ in self.outcome.members if p != self.me]
-        return [p for p in peers if (Code.RESULT, p) not in self.acked and p in self.present(now)]
+        unacked = [
+            p for p in peers if any((Code.RESULT, p, self._piece(s)) not in self.acked for s in self._mine())
+        ]
+        return [p for p in unacked if p not in self.finished_with and p in self.present(now)]
 
     def _deliver_results(self, now: float, out: list[Effect]) -> None:
         for peer in self._undelivered_results(now):
-            self._deliver(out, peer, Code.RESULT, self._index(self.me), self.results[self.me], now)
+            for s in self._mine():
+                self._deliver(out, peer, Code.RESULT, s, self.results[s], now)
 
     def _recover(self, now: float, out: list[Effect], why: str) -> None:
         if self.phase in (Phase.RECOVERING, Phase.DONE):
@@ -793,6 +818,45 @@ class RoundMachine:
     def _is_member(self, peer: str) -> bool:
         return self.members is not None and any(p == peer for p, _ in self.members)
 
-    def _index(self, peer: str) -> int:
-        assert self.members is not None
-        return [p for p, _ in self.members].index(peer)
+    def _slices(self) -> int:
+        """S: the round's slices, M·C (``pieces_per_member``); M before this peer cut its vector."""
+        return len(self.sizes) or len(self.members or ())
+
+    def _piece(self, index: int) -> int:
+        """Which of its owner's pieces slice ``index`` is (always 0 with one slice a member)."""
+        count = len(self.members or ())
+        return index // count if self._slices() > count else 0
+
+    def _owned(self, peer: str) -> range:
+        """The slices ``peer`` owns: member j of M owns j, j + M, ... (none if it is not a member)."""
+        peers = [p for p, _ in self.members or ()]
+        return range(peers.index(peer), self._slices(), len(peers)) if peer in peers else range(0)
+
+    def _mine(self) -> range:
+        return self._owned(self.me)
+
+    def _all_parts(self, s: int) -> bool:
+        return all((p, s) in self.parts for p, _ in self.members or ())
+
+    def _has_all_of(self, peer: str) -> bool:
+        """Whether we hold everything ``peer`` owes us: its parts of our slices, the means of its own."""
+        owed = all((peer, s) in self.parts for s in self._mine())
+        return owed and all(s in self.results for s in self._owned(peer))
+
+    def _reduced_all(self) -> bool:
+        """Whether this peer, a member, holds the means of all its slices."""
+        mine = self._mine()
+        return len(mine) > 0 and all(s in self.results for s in mine)
+
+    def _reduced_any(self) -> bool:
+        """Whether a mean of ours is sent or under way: our group can no longer be left for another."""
+        return any(k.startswith("reduce") for k in self.jobs_out) or any(
+            s in self.results for s in self._mine()
+        )
+
+    def _ran_with(self, sender: str) -> bool:
+        """Whether ``sender`` sent us a part, or we hold a mean it owns."""
+        if any(p == sender for p, _ in self.parts):
+            return True
+        peers = [p for p, _ in self.members or ()]
+        return sender in peers and any(peers[s % len(peers)] == sender for s in self.results)

@@ -219,24 +219,30 @@ class Accuse:
 Effect = Send | Compute | Settle | Note | Accuse
 
 
+def job_key(job: Job) -> str:
+    """How the machine names a computation it waits for: its kind, and a reduce its slice."""
+    return f"reduce {job.inputs[7]}" if job.kind == "reduce" else job.kind
+
+
 def run_job(job: Job, codec: Codec) -> Computed:
     """Carry out a Compute effect: the butterfly's arithmetic, with bad payloads as errors."""
     try:
         if job.kind == "encode":
             vector, parts = job.inputs
             value: object = encode_slices(vector, parts, codec)
-        elif job.kind == "reduce":  # (the aggregate's encoding, its Screening)
-            encoded, numel, aggregation, _, earlier, members, weights = job.inputs  # _: who sent ``encoded``
+        elif job.kind == "reduce":  # (the aggregate's encoding, its Screening); _: who sent it, which slice
+            encoded, numel, aggregation, _, earlier, members, weights, _ = job.inputs
             value = reduce_slice(encoded, numel, codec, aggregation, earlier, members, weights)
         elif job.kind == "assemble":
-            means, sizes = job.inputs
-            value = assemble(means, sizes, codec)
+            means, sizes, members = job.inputs
+            value = assemble(means, sizes, codec, members)
         else:  # decode an AVERAGE: (the message, its sender)
             msg: Average = job.inputs[0]
             if msg.means and msg.codec != codec.name:
                 raise UserError(f"an average in {msg.codec}, where this round's codec is {codec.name}")
             if msg.means:
-                value = assemble(msg.means, slice_sizes(msg.numel, len(msg.members), codec.block), codec)
+                sizes = slice_sizes(msg.numel, len(msg.means), codec.block)
+                value = assemble(msg.means, sizes, codec, len(msg.members))
             else:
                 value = EXACT.decode(msg.data, msg.numel)
     except UserError as exc:
@@ -244,16 +250,17 @@ def run_job(job: Job, codec: Codec) -> Computed:
     return Computed(job, value)
 
 
-def average_reply(round_id: str, done: Completed, results: Mapping[str, bytes], codec: Codec) -> Average:
-    """The AVERAGE a peer that completed a round answers a FETCH with: the members' slice means as
-    their RESULTs carried them, of which ``assemble`` makes the same average (1/14 of fp32's bytes
-    in q2), where it holds all of them (it took part in the butterfly, or fetched them so); else
-    the average in fp32."""
-    peers = [p for p, _ in done.members]
+def average_reply(
+    round_id: str, done: Completed, results: Mapping[int, bytes], slices: int, codec: Codec
+) -> Average:
+    """The AVERAGE a peer that completed a round answers a FETCH with: the means of the round's
+    ``slices`` slices as their RESULTs carried them, of which ``assemble`` makes the same average
+    (1/14 of fp32's bytes in q2), where it holds all of them (it took part in the butterfly, or
+    fetched them so); else the average in fp32."""
     numel = done.average.numel()
     means = done.means
-    if not means and done.by_butterfly and len(peers) > 1 and all(p in results for p in peers):
-        means = tuple(results[p] for p in peers)
+    if not means and done.by_butterfly and len(done.members) > 1 and len(results) == slices:
+        means = tuple(results[s] for s in range(slices))
     if means:
         return Average(round_id, done.members, done.pace, numel, b"", means, codec.name)
     return Average(round_id, done.members, done.pace, numel, EXACT.encode(done.average))
