@@ -339,12 +339,11 @@ class Peer:
         # A record outlives 8 heartbeats: a peer briefly starved of CPU must not vanish from the
         # board (a leader would form rounds without it); a dead one is gone within 8 s.
         board = Board(dht, self.opts.run_id, self.peer_id, ttl_s=8 * self.opts.heartbeat_s)
-        run_info = {"algo": self.cfg.algo, "model": self.cfg.model, "workers": self.cfg.workers}
         presence = self.presence = Presence(
             board,
             lambda record: lobby.same_run(record, self._seat()),
             self._record,
-            {**run_info, "options": self.options},
+            dict(algo=self.cfg.algo, model=self.cfg.model, workers=self.cfg.workers, options=self.options),
             self.opts.heartbeat_s,
             on_records=self._on_board,
             on_lapse=lambda: self._move(Lifecycle.JOINING),  # the next beat must not say "training"

@@ -278,6 +278,18 @@ def not_member_detail(key_id: str) -> str:
     return f"this run requires its swarm key (key id {key_id}): pass --swarm-key-file"
 
 
+def unopened_lie(me: str, sender: str, message: Message, may_be_earlier: bool) -> str:
+    """Why a message for a round this peer never opened (so never joined: it joins only rounds it
+    reached) is a lie, or "": a GROUP that names this peer, from the list's own leader
+    (``group_claims.py``), unless an earlier process of this peer may have joined
+    (``may_be_earlier``: it is taking the swarm's state, or promised to stay out of the round).
+    The message is dropped either way."""
+    if message.code != Code.GROUP:
+        return ""
+    claims = GroupClaims(me, partial(leader_rank, message.round_id))
+    return claims.judge(sender, message, None, may_be_earlier=may_be_earlier).why
+
+
 class FragmentExchange:
     """Serves and runs averaging rounds for one peer of one run."""
 
@@ -479,8 +491,7 @@ class FragmentExchange:
         )
 
     def carrying(self) -> bool:
-        """Whether this peer's link carries a round's slices now: it is in a butterfly, or a PART
-        or RESULT of it awaits its acknowledgement (``Presence`` holds the board's reads back)."""
+        """Whether a round's slices are on this peer's link: a butterfly, or a delivery not ACKed."""
         return bool(self.acks_awaited) or any(m.phase == Phase.RUNNING for m in self.open.values())
 
     def _board(self) -> dict[str, BoardPeer]:
@@ -723,7 +734,9 @@ class FragmentExchange:
                 awaited.set()
         if round_id not in self.open and round_id not in self.finished:
             if message.code not in OPENING:  # an answer or a delivery for a round we never asked about
-                self._judge_unopened(sender, message)
+                earlier = self.joining or round_id in self.promised
+                if why := unopened_lie(self.peer_id, sender, message, earlier):
+                    self._accuse(round_id, sender, why)
                 return
             if len(self._not_reached()) >= MAX_OPEN_ROUNDS:
                 self._refuse(sender, round_id, f"{MAX_OPEN_ROUNDS} rounds opened by others are open here")
@@ -743,19 +756,6 @@ class FragmentExchange:
     def _accuse(self, round_id: str, peer: str, why: str) -> None:
         self.accused[peer] += 1
         log.warning("round %s: %s sent %s", round_id, peer[:12], why)
-
-    def _judge_unopened(self, sender: str, message: Message) -> None:
-        """A GROUP for a round this peer never opened (so never joined: it joins only rounds it
-        reached) that names it, from the list's own leader, is a lie (``group_claims.py``), unless
-        an earlier process of this peer may have joined (it is taking the swarm's state, or
-        promised to stay out of the round). It is dropped either way."""
-        if message.code != Code.GROUP:
-            return
-        claims = GroupClaims(self.peer_id, partial(leader_rank, message.round_id))
-        earlier = self.joining or message.round_id in self.promised
-        judged = claims.judge(sender, message, None, may_be_earlier=earlier)
-        if judged.why:
-            self._accuse(message.round_id, sender, judged.why)
 
     def _note_refusal(self, sender: str, why: str, strike: bool = False) -> None:
         """Count a refusal (and log some); a ``strike`` broke a per-peer limit: enough of them, and a
