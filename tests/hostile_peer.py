@@ -29,6 +29,7 @@ import torch
 
 from p2p_cocodc.peer.syncs import SwarmReplica
 from p2p_cocodc.swarm.exchange import FragmentExchange
+from p2p_cocodc.swarm.lanes import Lanes
 from p2p_cocodc.swarm.messages import Group, Join
 from p2p_cocodc.swarm.round_events import leader_rank
 
@@ -60,11 +61,11 @@ def corrupt(modes: set[str]) -> None:
             if "flood" in modes:
                 for peer in self._board():
                     for i in range(40):
-                        self._start_send(peer, Join(f"flood-{step}-{i}", self.shard, self.fingerprint))
+                        self.lanes.send(peer, [Join(f"flood-{step}-{i}", self.shard, self.fingerprint)])
             if "forge" in modes:
                 for peer, record in self.board_view().items():
                     if peer != self.peer_id and record.shard is not None:
-                        self._start_send(peer, Group(round_id, ((peer, record.shard),), 0))
+                        self.lanes.send(peer, [Group(round_id, ((peer, record.shard),), 0)])
             if "pairs" in modes:
                 fragment = round_id.split(":")[0]
                 every = step - last_step.get(fragment, step)
@@ -76,7 +77,7 @@ def corrupt(modes: set[str]) -> None:
                             continue
                         if leader_rank(rid, self.peer_id) < leader_rank(rid, peer):
                             pair = sorted([(self.peer_id, self.shard), (peer, record.shard)], key=by_shard)
-                            self._start_send(peer, Group(rid, tuple(pair), 0))
+                            self.lanes.send(peer, [Group(rid, tuple(pair), 0)])
         return await honest(self, round_id, vector, step, take_part, pace, recent, codec, earlier)
 
     FragmentExchange.allreduce = allreduce  # type: ignore[method-assign]
@@ -91,18 +92,18 @@ def corrupt(modes: set[str]) -> None:
 
         SwarmReplica.evaluated = drifted  # type: ignore[method-assign]
     if "mute" in modes:
-        receive, start_send = FragmentExchange.receive, FragmentExchange._start_send
+        receive, send = FragmentExchange.receive, Lanes.send
 
         def deaf(self, sender, message):  # type: ignore[no-untyped-def]
             if getattr(message, "round_id", None) != MUTED:
                 receive(self, sender, message)
 
-        def silent(self, to, message):  # type: ignore[no-untyped-def]
-            if getattr(message, "round_id", None) != MUTED:
-                start_send(self, to, message)
+        def silent(self, to, messages):  # type: ignore[no-untyped-def]
+            if kept := [m for m in messages if getattr(m, "round_id", None) != MUTED]:
+                send(self, to, kept)
 
         FragmentExchange.receive = deaf  # type: ignore[method-assign]
-        FragmentExchange._start_send = silent  # type: ignore[method-assign]
+        Lanes.send = silent  # type: ignore[method-assign]
 
 
 def main() -> None:

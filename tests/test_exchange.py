@@ -14,14 +14,21 @@ import msgpack
 import pytest
 import torch
 
-from p2p_cocodc.algorithms.butterfly import butterfly_mean, slice_bounds
+from p2p_cocodc.algorithms.butterfly import (
+    MAX_PIECES,
+    PIECE_BYTES,
+    butterfly_mean,
+    pieces_per_member,
+    slice_bounds,
+)
 from p2p_cocodc.algorithms.codecs import CODECS, Codec, get_codec
 from p2p_cocodc.swarm import exchange as exchange_module
+from p2p_cocodc.swarm import lanes as lanes_module
 from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
 from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, Part, parse_members, parse_message
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round_events import leader_rank
-from p2p_cocodc.swarm.wire import BadMessage, close_when_read, read_frame, write_frame
+from p2p_cocodc.swarm.wire import BadMessage, close_when_read, read_frame, write_end, write_frame
 from tests.local_dhts import local_dhts
 
 
@@ -79,6 +86,7 @@ async def send(p2p, target: FragmentExchange, message: Message) -> None:
     received, rejected = target.stats.messages_received, target.stats.messages_rejected
     _, reader, writer = await p2p.call_binary_stream_handler(target.p2p.peer_id, target.protocol)
     await write_frame(writer, message.to_wire())
+    await write_end(writer)
     assert await close_when_read(reader, writer, exchange_module.MESSAGE_TIMEOUT_S), "it was not read"
     assert target.stats.messages_received > received and target.stats.messages_rejected == rejected
 
@@ -189,6 +197,59 @@ def test_a_peer_carries_a_round_from_its_group_to_its_last_acknowledged_slice(dh
     assert any(a for a, _ in seen) and any(b for _, b in seen), "a peer was never seen carrying the round"
 
 
+def test_slices_in_pieces_go_as_frames_of_one_stream_and_average_bit_for_bit(dhts) -> None:
+    """A vector whose slices are cut in pieces (``pieces_per_member``): the pieces for one peer go
+    as consecutive frames of one stream (``swarm/lanes.py``), each fed to the machine as it is read,
+    and the average is the butterfly's, bit for bit, with every codec's pieces."""
+
+    async def main():
+        exchanges = await make_pair(dhts)
+        results = {}
+        try:
+            for codec in ("fp32", "q2"):
+                numel = 4 * PIECE_BYTES * 8 // {"fp32": 32, "q2": 2}[codec]  # about two pieces a member
+                for ex in exchanges:
+                    ex.codec = get_codec(codec)
+                vectors = [torch.randn(numel), torch.randn(numel)]
+                pieces = pieces_per_member(numel, 2, get_codec(codec))
+                received = [ex.stats.messages_received for ex in exchanges]
+                averages = await asyncio.gather(
+                    *(ex.allreduce(f"r-{codec}", v, 1) for ex, v in zip(exchanges, vectors, strict=True))
+                )
+                frames = [ex.stats.messages_received - r for ex, r in zip(exchanges, received, strict=True)]
+                results[codec] = vectors, averages, pieces, frames
+        finally:
+            await stop_all(exchanges)
+        return results
+
+    for codec, (vectors, (a, b), pieces, frames) in asyncio.run(main()).items():
+        assert pieces >= 2, codec
+        assert torch.equal(a, b) and torch.equal(a, butterfly_mean(vectors, get_codec(codec))[0]), codec
+        assert min(frames) >= 2 * pieces, (codec, frames)  # every piece of a PART and of a RESULT
+
+
+def test_a_stream_carries_at_most_max_pieces_messages_and_the_rest_is_refused(dhts) -> None:
+    """A peer that writes more messages on one stream than a round's pieces need: the first
+    ``MAX_PIECES`` are taken (each admitted within the per-peer limits), the next is counted
+    against the sender and nothing after it is read."""
+
+    async def main():
+        a, b = await make_pair(dhts)
+        try:
+            _, reader, writer = await a.p2p.call_binary_stream_handler(b.p2p.peer_id, b.protocol)
+            for i in range(MAX_PIECES + 2):
+                await write_frame(writer, Join(f"j{i}", 0, "fp").to_wire())
+            await write_end(writer)
+            await close_when_read(reader, writer, exchange_module.MESSAGE_TIMEOUT_S)
+            await until(lambda: b.strikes[a.peer_id] >= 1, "the message too many to be refused")
+            return set(b.open)
+        finally:
+            await stop_all([a, b])
+
+    opened = asyncio.run(main())
+    assert opened == {f"j{i}" for i in range(MAX_PIECES)}, opened
+
+
 def test_a_delivery_of_a_group_left_does_not_hold_up_the_link(dhts) -> None:
     """A bulk delivery waits for its acknowledgement before the next one to that peer is written.
     One of a group this peer has left (a lying leader's private pair, ``RoundMachine._on_group``)
@@ -202,13 +263,13 @@ def test_a_delivery_of_a_group_left_does_not_hold_up_the_link(dhts) -> None:
         a.deadlines = replace(a.deadlines, resend_s=3600.0)
         to = b.p2p.peer_id.to_base58()
         members = ((a.p2p.peer_id.to_base58(), 0), (to, 1))
-        numel = exchange_module.BULK_BYTES // 4  # fp32: one bulk message each
+        numel = lanes_module.BULK_BYTES // 4  # fp32: one bulk message each
         data = bytes(4 * numel)
         try:
             received = b.stats.messages_received
-            a._start_send(to, Part("pair", members, 0, 1, numel, data))  # never acknowledged
+            a.lanes.send(to, [Part("pair", members, 0, 1, numel, data)])  # never acknowledged
             await until(lambda: b.stats.messages_received > received, "the pair's part")
-            a._start_send(to, Part("pair", members[::-1], 0, 0, numel, data))  # the group it joined
+            a.lanes.send(to, [Part("pair", members[::-1], 0, 0, numel, data)])  # the group it joined
             await until(lambda: b.stats.messages_received >= received + 2, "the part after it", 30.0)
         finally:
             await stop_all([a, b])
@@ -438,7 +499,7 @@ def test_the_link_meter_counts_overlapping_deliveries_once_per_round() -> None:
     meter.record(12, 12.25, "c", "q2")  # a paced round, smaller: timed apart
     assert meter.busy_per_round_s("fp4") == pytest.approx((5 + 2 + 1) / 2) and meter.rounds("fp4") == 2
     assert meter.busy_per_round_s("q2") == pytest.approx(0.25) and meter.rounds("q2") == 1
-    for i in range(exchange_module.LINK_WINDOW):  # old deliveries leave the window
+    for i in range(lanes_module.LINK_WINDOW):  # old deliveries leave the window
         meter.record(20 + i, 20.5 + i, f"r{i}", "fp4")
     assert meter.busy_per_round_s("fp4") == pytest.approx(0.5) and meter.busy_per_round_s("q2") == 0.0
 
@@ -459,6 +520,6 @@ def test_the_link_meter_times_a_sync_from_its_send_to_its_result() -> None:
     assert meter.landing_s(fp32, [q2], size) == pytest.approx(1.2) and meter.landed_rounds("fp32") == 3
     # q2, not landed yet: fp32's 1.2 s less its 0.8 s on the link, plus q2's 0.05 s (1/16 the bytes)
     assert meter.landing_s(q2, [fp32], size) == pytest.approx(0.45)
-    for _ in range(exchange_module.LANDING_WINDOW):  # old landings leave the window
+    for _ in range(lanes_module.LANDING_WINDOW):  # old landings leave the window
         meter.landed("fp32", 0.5)
     assert meter.landing_s(fp32, [], size) == pytest.approx(0.5)

@@ -25,13 +25,11 @@ for the last ``MAX_SERVED`` rounds, after which an asker hears that the average 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import math
-import statistics
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -40,8 +38,10 @@ from typing import Any
 import torch
 
 from p2p_cocodc.algorithms.aggregation import MEAN, Aggregation, CosineRecord
+from p2p_cocodc.algorithms.butterfly import MAX_PIECES
 from p2p_cocodc.algorithms.codecs import Codec
 from p2p_cocodc.swarm.group_claims import GroupClaims
+from p2p_cocodc.swarm.lanes import MESSAGE_TIMEOUT_S, ExchangeStats, Lanes, LinkMeter
 from p2p_cocodc.swarm.limits import Limits, PeerLimiter
 from p2p_cocodc.swarm.messages import (
     Ack,
@@ -55,7 +55,7 @@ from p2p_cocodc.swarm.messages import (
     parse_message,
     payload_bytes,
 )
-from p2p_cocodc.swarm.records import NONE_YET, PeerRecord
+from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round import RoundMachine
 from p2p_cocodc.swarm.round_events import (
     Accuse,
@@ -85,10 +85,7 @@ from p2p_cocodc.swarm.wire import (
     MIN_LINK_MBPS,
     SLOWEST_LINK_MBPS,
     BadMessage,
-    close_when_read,
-    read_frame,
-    transfer_allowance_s,
-    write_frame,
+    read_next_frame,
 )
 
 log = logging.getLogger(__name__)
@@ -102,12 +99,8 @@ BAN_AFTER = 64  # per-peer limits broken this often: the peer is banned from thi
 OPENING = (Code.JOIN, Code.PROBE, Code.FETCH)  # the only messages that open a round here: questions
 MAX_FINISHED = 4096  # settled rounds remembered, to answer late askers
 MAX_SERVED = 64  # of those, the most recent whose averages are kept for peers that ask
-MESSAGE_TIMEOUT_S = 30.0  # opening a stream and writing one small message
 TICK_S = 0.2
-BULK_BYTES = 64 * 1024  # a message this large or larger waits its turn on the link to its peer
 STOP_GRACE_S = 5.0  # how long stop() lets messages being written go out
-LINK_WINDOW = 64  # bulk deliveries the link meter remembers
-LANDING_WINDOW = 8  # landing times of this peer's syncs the link meter remembers, per codec
 
 
 class RoundFailed(Exception):
@@ -121,40 +114,6 @@ class RoundLost(RoundFailed):
 
 class RoundUndecided(RoundLost):
     """This peer could not learn whether the round completed (``Undecided``): θ̄ may be behind."""
-
-
-@dataclass
-class ExchangeStats:
-    bytes_sent: int = 0  # tensor bytes of every delivery, once (the butterfly's traffic)
-    bytes_resent: int = 0  # the same deliveries sent again after a lost or unacknowledged copy
-    bytes_served: int = 0  # averages served to peers left out of a round or recovering from it
-    bytes_received: int = 0  # tensor bytes of every message members sent here (copies and averages too)
-    rounds_done: int = 0
-    rounds_failed: int = 0
-    messages_received: int = 0  # frames from other peers, well-formed or not
-    messages_rejected: int = 0  # of those, malformed ones (logged and dropped)
-    bandwidth_mbps: float = 0.0  # moving average of measured send throughput
-    last_round_s: float = NONE_YET  # how long the latest completed all-reduce took here
-    rounds_s: float = 0.0  # how long the completed all-reduces took here, summed
-    # completed butterflies of two or more members, and their time here from the group's adoption
-    # (every member present) to the average: the link's part of a round, without the arrival skew
-    butterflies: int = 0
-    butterflies_s: float = 0.0
-
-    def record_round(self, completed: Completed, started: float, adopted: float, now: float) -> None:
-        """A round completed at ``now``: this peer reached it at ``started``, adopted its group then."""
-        self.rounds_done += 1
-        self.last_round_s = now - started
-        self.rounds_s += self.last_round_s
-        if completed.by_butterfly and len(completed.members) > 1:
-            self.butterflies += 1
-            self.butterflies_s += now - adopted
-
-    def record_send(self, num_bytes: int, seconds: float) -> None:
-        """A message of ``num_bytes`` tensor bytes has been written in ``seconds``."""
-        if num_bytes >= 64 * 1024 and seconds > 0:
-            mbps = 8e-6 * num_bytes / seconds
-            self.bandwidth_mbps = mbps if not self.bandwidth_mbps else 0.8 * self.bandwidth_mbps + 0.2 * mbps
 
 
 @dataclass(frozen=True)
@@ -172,83 +131,6 @@ class GroupRecord:
     def of(cls, completed: Completed, arrival_wait_s: float) -> GroupRecord:
         shards = tuple(shard for _, shard in completed.members)
         return cls(shards, completed.pace, max(0.0, arrival_wait_s), completed.cosines)
-
-
-class LinkMeter:
-    """How long this peer's link is busy per round, from its bulk deliveries: each PART or RESULT
-    from the start of its write to the member's acknowledgement. Deliveries to several members
-    overlap, so the busy time is the union of those intervals; divided by the number of rounds they
-    belong to, it is the link time one round takes here (whatever else shares the link, and however
-    much the kernel and the daemon buffer), over the last ``LINK_WINDOW`` deliveries. Rounds of
-    each wire codec (``SyncCodecs``) are timed apart: a paced swarm's rounds are smaller.
-
-    It also keeps how long this peer's syncs took to land: from the send to the result, ready to
-    apply, less the wait for the others to arrive (``landed``). On a fast link that is round trips
-    and arithmetic more than link time, and it is what τ steps must cover (``paced_spacing``). The
-    members' skew is left out: a pace that widened for it would leave the faster peers more steps
-    to run ahead in, and the next rounds' skew would ask for wider still (on `region`, the pace
-    went from 4 steps to 21 in one run)."""
-
-    def __init__(self) -> None:
-        self.deliveries: deque[tuple[float, float, str, str]] = deque(maxlen=LINK_WINDOW)
-        self.landings: dict[str, deque[float]] = {}
-
-    def record(self, started: float, acked: float, round_id: str, codec: str) -> None:
-        self.deliveries.append((started, acked, round_id, codec))
-
-    def rounds(self, codec: str) -> int:
-        """The rounds of ``codec`` whose deliveries the window holds."""
-        return len({round_id for _, _, round_id, used in self.deliveries if used == codec})
-
-    def round_s(self, codec: Codec, measured: list[Codec], round_bytes: Callable[[Codec], int]) -> float:
-        """The link time a round of ``codec`` takes here, from the first of ``measured`` (the codec in
-        use first) whose rounds were timed, scaled by the two codecs' ``round_bytes`` (a thin link's
-        round time is its bytes); 0.0 with nothing timed."""
-        for known in measured:
-            if busy := self.busy_per_round_s(known.name):
-                return busy * round_bytes(codec) / round_bytes(known)
-        return 0.0
-
-    def landed(self, codec: str, seconds: float) -> None:
-        """A sync of this peer's in ``codec`` was ready to apply ``seconds`` after its send, not
-        counting its wait for the others (``GroupRecord.arrival_wait_s``)."""
-        self.landings.setdefault(codec, deque(maxlen=LANDING_WINDOW)).append(seconds)
-
-    def landed_rounds(self, codec: str) -> int:
-        """The syncs of ``codec`` whose landing times the meter holds."""
-        return len(self.landings.get(codec, ()))
-
-    def landing_medians(self) -> dict[str, float]:
-        """The median landing time of each codec's last ``LANDING_WINDOW`` syncs."""
-        return {codec: statistics.median(times) for codec, times in self.landings.items()}
-
-    def landing_s(self, codec: Codec, measured: list[Codec], round_bytes: Callable[[Codec], int]) -> float:
-        """How long a sync of ``codec`` takes to land here: the median of its last
-        ``LANDING_WINDOW`` landings; else, from the first of ``measured`` whose syncs landed, that
-        codec's median with its link time per round swapped for this one's (``round_s``); 0.0 with
-        nothing landed."""
-        for known in [codec, *measured]:
-            if known.name in self.landings:
-                landing = statistics.median(self.landings[known.name])
-                if known.name == codec.name:
-                    return landing
-                return max(0.0, landing - self.round_s(known, [known], round_bytes)) + self.round_s(
-                    codec, [known], round_bytes
-                )
-        return 0.0
-
-    def busy_per_round_s(self, codec: str) -> float:
-        """The link time one round of ``codec`` took here; 0.0 until one of its deliveries was
-        acknowledged."""
-        rounds = self.rounds(codec)
-        if not rounds:
-            return 0.0
-        busy, reach = 0.0, -math.inf
-        for start, end, _, used in sorted(self.deliveries):
-            if used == codec and end > reach:
-                busy += end - max(start, reach)
-                reach = end
-        return busy / rounds
 
 
 class PartsSeen:
@@ -313,7 +195,7 @@ class FragmentExchange:
     ) -> None:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
-        self.protocol = f"p2p-cocodc/{run_id}/exchange/2"
+        self.protocol = f"p2p-cocodc/{run_id}/exchange/3"
         self.codec = codec
         self.aggregation = aggregation
         # the members' c_i at this peer's slices (a resumed peer's: as its checkpoint kept them)
@@ -329,16 +211,13 @@ class FragmentExchange:
         self.stats = ExchangeStats()
         self.link = LinkMeter()
         self.deadlines = self.current_deadlines()
+        self.lanes = Lanes(p2p, self.protocol, self.stats, self.link, lambda: self.deadlines, self._codec_of)
         self.open: dict[str, RoundMachine] = {}
         self.finished: OrderedDict[str, RoundMachine] = OrderedDict()
         self.waiting: dict[str, asyncio.Future[Any]] = {}
         self.groups: dict[str, GroupRecord] = {}  # completed rounds, with their groups
-        self.sending: dict[tuple[str, str, int, int], asyncio.Task[None]] = {}
-        self.sent_once: dict[str, set[tuple[str, str, int, int]]] = {}  # round -> deliveries sent
         self.tasks: set[asyncio.Task[Any]] = set()
         self.view: dict[str, BoardPeer] = {}
-        self.link_turns: dict[str, asyncio.Lock] = {}  # peer -> whose turn it is to send it bulk data
-        self.acks_awaited: dict[tuple[str, str, int, int], asyncio.Event] = {}
         self.said_bye: set[str] = set()  # peers that told us they are leaving the run
         self.outliers: Counter[str] = Counter()  # members whose slices this peer left out of its mean
         self.strikes: Counter[str] = Counter()  # per-peer limits broken, by peer
@@ -362,7 +241,7 @@ class FragmentExchange:
         """Stop serving once the rounds this peer took part in are settled and delivered, or after
         ``STOP_GRACE_S``: the other members still need our slices and acknowledgements."""
         grace_ends = time.monotonic() + STOP_GRACE_S
-        while time.monotonic() < grace_ends and (self.sending or self._owing()):
+        while time.monotonic() < grace_ends and (self.lanes.sending or self._owing()):
             await asyncio.sleep(0.05)
         if self.ticker is not None:
             self.ticker.cancel()
@@ -379,7 +258,7 @@ class FragmentExchange:
         self.leaving = True
         for round_id, machine in list(self.open.items()):
             self._feed(round_id, machine, Leaving())
-        sends = [asyncio.ensure_future(self._write(peer, Bye("-"))) for peer in self._board()]
+        sends = [asyncio.ensure_future(self.lanes.write(peer, [Bye("-")])) for peer in self._board()]
         if sends:
             await asyncio.wait(sends, timeout=MESSAGE_TIMEOUT_S / 10)
 
@@ -492,7 +371,10 @@ class FragmentExchange:
 
     def carrying(self) -> bool:
         """Whether a round's slices are on this peer's link: a butterfly, or a delivery not ACKed."""
-        return bool(self.acks_awaited) or any(m.phase == Phase.RUNNING for m in self.open.values())
+        return self.lanes.awaiting() or any(m.phase == Phase.RUNNING for m in self.open.values())
+
+    def _codec_of(self, round_id: str) -> str:
+        return (self.open.get(round_id) or self.finished.get(round_id) or self).codec.name
 
     def _board(self) -> dict[str, BoardPeer]:
         return {
@@ -552,9 +434,12 @@ class FragmentExchange:
         return [r for r, m in self.open.items() if m.phase == Phase.IDLE]
 
     def _feed(self, round_id: str, machine: RoundMachine, event: Event) -> None:
+        deliveries: dict[tuple[str, Code], list[Message]] = {}  # the pieces for one peer: one stream
         for effect in machine.handle(event, time.monotonic()):
-            if isinstance(effect, Send):
-                self._start_send(effect.to, effect.message)
+            if isinstance(effect, Send) and effect.message.code in (Code.PART, Code.RESULT):
+                deliveries.setdefault((effect.to, effect.message.code), []).append(effect.message)
+            elif isinstance(effect, Send):
+                self.lanes.send(effect.to, [effect.message])
             elif isinstance(effect, Compute):
                 self._spawn(self._compute(round_id, machine, effect))
             elif isinstance(effect, Settle):
@@ -565,12 +450,14 @@ class FragmentExchange:
                 log.info("%s", effect.text)
             elif isinstance(effect, Accuse):
                 self._accuse(round_id, effect.peer, effect.why)
+        for (to, _), messages in deliveries.items():
+            self.lanes.send(to, messages)
         if round_id in self.open and machine.quiescent(time.monotonic()):
             self._finish(round_id, machine)
 
     def _finish(self, round_id: str, machine: RoundMachine) -> None:
         del self.open[round_id]
-        self.sent_once.pop(round_id, None)
+        self.lanes.forget(round_id)
         not_reached = set(self._not_reached())
         for peer in [p for p, rounds in self.opened_by.items() if not rounds & not_reached]:
             del self.opened_by[peer]
@@ -610,84 +497,31 @@ class FragmentExchange:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    # ---- the wire ----
-
-    def _start_send(self, to: str, message: Message) -> None:
-        key = (to, message.round_id, int(message.code), getattr(message, "index", 0))
-        if key in self.sending:  # the previous copy is still being written
-            return
-        first = key not in self.sent_once.setdefault(message.round_id, set())
-        self.sent_once[message.round_id].add(key)
-        if message.code == Code.AVERAGE:
-            self.stats.bytes_served += payload_bytes(message)
-        elif first:
-            self.stats.bytes_sent += payload_bytes(message)
-        else:
-            self.stats.bytes_resent += payload_bytes(message)
-        task = asyncio.ensure_future(self._send(to, message))
-        self.sending[key] = task
-        task.add_done_callback(lambda _: self.sending.pop(key, None))
-
-    async def _send(self, to: str, message: Message) -> None:
-        """Write one message on a stream of its own. A bulk message (a slice, an average) goes to
-        its peer only after the previous one was acknowledged, or its transfer allowance ran out:
-        the libp2p connection to a peer also carries the DHT's notice-board traffic, which must
-        not queue behind several fragments at once on a thin link. Bulk messages to one peer go in
-        the order their rounds asked for them, which is the order their results are due."""
-        size = payload_bytes(message)
-        key = (to, message.round_id, int(message.code), getattr(message, "index", 0))
-        for other in [k for k in self.acks_awaited if k[:3] == key[:3] and k != key]:
-            # a delivery of a group this peer has left for another (``RoundMachine._on_group``):
-            # its member never acknowledges it, and no later delivery may wait behind it
-            self.acks_awaited.pop(other).set()
-        if size < BULK_BYTES:
-            await self._write(to, message)
-            return
-        codec = (self.open.get(message.round_id) or self.finished.get(message.round_id) or self).codec.name
-        turn = self.link_turns.setdefault(to, asyncio.Lock())
-        async with turn:
-            acked = self.acks_awaited[key] = asyncio.Event()
-            started = time.monotonic()
-            try:
-                if await self._write(to, message) and message.code in (Code.PART, Code.RESULT):
-                    wait = self.deadlines.resend_after(size)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(acked.wait(), wait)
-                        if self.acks_awaited.get(key) is acked:  # acknowledged, not given up
-                            self.link.record(started, time.monotonic(), message.round_id, codec)
-            finally:
-                if self.acks_awaited.get(key) is acked:
-                    del self.acks_awaited[key]
-
-    async def _write(self, to: str, message: Message) -> bool:
-        from hivemind.p2p import PeerID
-
-        size = payload_bytes(message)
-        started = time.perf_counter()
-        allowance = transfer_allowance_s(size, self.current_deadlines().slowest_link_mbps)
-        writer = None
-        try:
-            _, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(to), self.protocol), MESSAGE_TIMEOUT_S
-            )
-            await asyncio.wait_for(write_frame(writer, message.to_wire()), MESSAGE_TIMEOUT_S + allowance)
-        except Exception as exc:  # noqa: BLE001 - p2pd client errors have no common base; the machine re-sends
-            log.debug("%s to %s failed: %s: %s", message.code.name, to[:12], type(exc).__name__, exc)
-            if writer is not None:
-                writer.close()
-            return False
-        self.stats.record_send(size, time.perf_counter() - started)
-        await close_when_read(reader, writer, MESSAGE_TIMEOUT_S + allowance)  # closing now may lose it
-        return True
+    # ---- the wire (sending: ``swarm/lanes.py``) ----
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One stream: a message, or up to ``MAX_PIECES`` of them (``swarm/lanes.py``), each admitted
+        within the per-peer limits and fed to its round's machine as soon as it is read."""
         sender = info.peer_id.to_base58()  # authenticated by libp2p; never taken from the payload
-        why = self.limiter.admit(sender, time.monotonic())
-        if why is not None:
-            self.stats.messages_received += 1
+        try:
+            for n in range(MAX_PIECES + 1):  # the last: the end of the stream, or one frame too many
+                why = self.limiter.admit(sender, time.monotonic())
+                if why is not None:
+                    self.stats.messages_received += 1
+                    self._note_refusal(sender, why, strike=True)
+                    return
+                message = await self._read(sender, reader, first=n == 0)
+                if message is None:
+                    return
+                if n == MAX_PIECES:
+                    self._note_refusal(sender, f"more than {MAX_PIECES} messages on one stream", strike=True)
+                    return
+                self.receive(sender, message)
+        finally:
             writer.close()
-            self._note_refusal(sender, why, strike=True)
-            return
+
+    async def _read(self, sender: str, reader: asyncio.StreamReader, first: bool) -> Message | None:
+        """The next message of a stream (admitted: released here), or None at its end or a bad one."""
         reserved = 0
 
         def reserve(size: int) -> None:
@@ -698,18 +532,20 @@ class FragmentExchange:
             reserved = size
 
         link = self.current_deadlines().slowest_link_mbps  # measured or declared: a slow one's time
+        ended = False
         try:
-            frame = await read_frame(reader, MESSAGE_TIMEOUT_S, self.max_frame, reserve, link)
-            message = parse_message(frame)
+            frame = await read_next_frame(reader, MESSAGE_TIMEOUT_S, self.max_frame, reserve, link)
+            if frame is None and first:
+                raise BadMessage("stream closed in the middle of a message")
+            ended = frame is None
+            return None if frame is None else parse_message(frame)
         except BadMessage as exc:
             log.warning("bad message from %s: %s", sender[:12], exc)
             self.stats.messages_rejected += 1
-            return
+            return None
         finally:
-            self.stats.messages_received += 1
+            self.stats.messages_received += not ended
             self.limiter.done(sender, reserved)
-            writer.close()
-        self.receive(sender, message)
 
     def receive(self, sender: str, message: Message) -> None:
         """Feed one message to its round's machine. Only a peer of this run on our board is heard
@@ -729,9 +565,7 @@ class FragmentExchange:
         self.stats.bytes_received += payload_bytes(message)
         round_id = message.round_id
         if isinstance(message, Ack):
-            awaited = self.acks_awaited.get((sender, round_id, int(message.kind), message.index))
-            if awaited is not None:
-                awaited.set()
+            self.lanes.acknowledged(sender, round_id, int(message.kind), message.index)
         if round_id not in self.open and round_id not in self.finished:
             if message.code not in OPENING:  # an answer or a delivery for a round we never asked about
                 earlier = self.joining or round_id in self.promised
@@ -780,4 +614,4 @@ class FragmentExchange:
 
     def _refuse(self, to: str, round_id: str, why: str) -> None:
         log.info("refusing round %s from %s: %s", round_id, to[:12], why)
-        self._start_send(to, StatusReply(round_id, Status.REFUSED, why))
+        self.lanes.send(to, [StatusReply(round_id, Status.REFUSED, why)])

@@ -44,6 +44,12 @@ async def write_frame(writer: asyncio.StreamWriter, body: dict[str, Any]) -> int
     return HEADER + len(raw)
 
 
+async def write_end(writer: asyncio.StreamWriter) -> None:
+    """Say that no more messages follow on this stream: an empty frame (no message is empty)."""
+    writer.write(bytes(HEADER))
+    await writer.drain()
+
+
 async def close_when_read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float) -> bool:
     """Close our end of a p2pd stream once the far end has closed its own (it has read what we
     wrote), or after ``timeout``; whether it closed in time. The daemon resets a stream whose local
@@ -72,9 +78,33 @@ async def read_frame(
     """One message; ``timeout`` for the header, plus time for the announced size on a ``link_mbps``
     link. ``max_size``: the largest message the caller can expect; ``reserve(size)`` is called with
     the announced size before the body is read, and may refuse it by raising BadMessage."""
+    body = await read_next_frame(reader, timeout, max_size, reserve, link_mbps)
+    if body is None:
+        raise BadMessage("stream closed in the middle of a message")
+    return body
+
+
+async def read_next_frame(
+    reader: asyncio.StreamReader,
+    timeout: float,
+    max_size: int = MAX_FRAME,
+    reserve: Callable[[int], None] | None = None,
+    link_mbps: float = SLOWEST_LINK_MBPS,
+) -> dict[str, Any] | None:
+    """The next message of a stream that may carry several (``read_frame``), or None at its end:
+    an empty frame (``write_end``), or the stream closed before another frame begins."""
     try:
         header = await asyncio.wait_for(reader.readexactly(HEADER), timeout)
-        size = int.from_bytes(header, "big")
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise BadMessage("stream closed in the middle of a message") from None
+    except TimeoutError:
+        raise BadMessage(f"no complete message within {timeout:.0f} s") from None
+    size = int.from_bytes(header, "big")
+    if size == 0:
+        return None
+    try:
         if size > min(max_size, MAX_FRAME):
             raise BadMessage(f"frame of {size} bytes exceeds the {min(max_size, MAX_FRAME)}-byte limit")
         if reserve is not None:
