@@ -44,7 +44,7 @@ from p2p_cocodc.run.records import Records, RunLog
 from p2p_cocodc.run.setup import TrainingSetup
 from p2p_cocodc.swarm.connections import Connections
 from p2p_cocodc.swarm.dht import bootstrap_endings, p2pd_socket, parse_bootstrap, start_dht, stop_dht
-from p2p_cocodc.swarm.exchange import FragmentExchange
+from p2p_cocodc.swarm.exchange import EXCHANGE_PROTOCOL, FragmentExchange
 from p2p_cocodc.swarm.records import Board, PeerRecord, peers_key
 from p2p_cocodc.swarm.run_options import fingerprint, option_view
 from p2p_cocodc.swarm.state_transfer import Pulled, StateServer, StateUnavailable, pull_state
@@ -112,6 +112,7 @@ def shared_options(setup: TrainingSetup, settings: AlgoSettings) -> dict[str, An
         "aggregation": asdict(cfg.aggregation()),
         "workers": cfg.workers,
         "data_shards": cfg.data_shards,
+        "exchange": EXCHANGE_PROTOCOL,  # a release that speaks another round protocol is another run
     }
 
 

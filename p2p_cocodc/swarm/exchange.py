@@ -4,10 +4,11 @@
 benchmarks call: it starts the round's machine and returns the average, or raises ``RoundFailed``.
 Everything the protocol decides is in the pure machine; this module only carries its effects out:
 
-- ``Send``: one message per libp2p stream of hivemind's daemon (``dht.replicate_p2p()``), a
-  length-prefixed msgpack frame (``swarm/wire.py``), never a socket of our own. A send that fails
-  is dropped: the machine re-sends what still needs an answer. A message is not sent again while
-  the previous copy of it is still being written (a slow link must not pile up copies).
+- ``Send``: a message on a libp2p stream of hivemind's daemon (``dht.replicate_p2p()``), a
+  length-prefixed msgpack frame (``swarm/wire.py``), never a socket of our own; the pieces the
+  machine asks for at once for one peer go as frames of one stream (``Lanes``, ``swarm/lanes.py``:
+  batches, turns on each link, acknowledgements awaited, the link meter). A stream carries at
+  most ``MAX_PIECES`` messages here.
 - ``Compute``: the butterfly's arithmetic runs in a worker thread, and its result is fed back.
 - ``Settle``: wakes the caller of ``allreduce``.
 - Time: a ticker feeds every open round ``Tick`` and, when the notice board changes, ``ViewChanged``.
@@ -93,6 +94,9 @@ log = logging.getLogger(__name__)
 # a slice owner's screening memory: each member's earlier cosines at its slices (``CosineRecord``)
 ScreeningMemory = dict[str, tuple[float, ...]]
 
+# the round protocol's version: peers of a run share it (``peer.node.shared_options``); 3: a slice in
+# pieces, a peer's pieces as frames of one stream
+EXCHANGE_PROTOCOL = 3
 MAX_OPEN_ROUNDS = 64  # rounds others may open here before this peer reaches them; then refused
 PARTS_REMEMBERED = 256  # slice digests kept per member, to catch a slice replayed from an earlier round
 BAN_AFTER = 64  # per-peer limits broken this often: the peer is banned from this peer's rounds
@@ -195,7 +199,7 @@ class FragmentExchange:
     ) -> None:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
-        self.protocol = f"p2p-cocodc/{run_id}/exchange/3"
+        self.protocol = f"p2p-cocodc/{run_id}/exchange/{EXCHANGE_PROTOCOL}"
         self.codec = codec
         self.aggregation = aggregation
         # the members' c_i at this peer's slices (a resumed peer's: as its checkpoint kept them)

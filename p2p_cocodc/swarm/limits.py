@@ -8,7 +8,7 @@ Defaults (``Limits``), and what an honest peer needs of each:
 - 200 messages per second from one peer, in bursts of up to 400 (token bucket): a round costs each
   pair of peers a handful of messages, re-sent every 2 s at most;
 - 16 messages from one peer read at once, and twice the run's largest message buffered from it:
-  an honest peer sends one bulk delivery at a time on each link (``FragmentExchange._send``);
+  an honest peer sends one round's bulk deliveries at a time on each link (``swarm/lanes.py``);
 - 16 rounds one peer may open here before this peer reaches them: a peer runs at most a few rounds
   ahead, since it waits for their results (and 64 from all peers, ``exchange.MAX_OPEN_ROUNDS``).
 """

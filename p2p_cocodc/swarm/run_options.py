@@ -22,6 +22,7 @@ FLAG_NAMES = {
     "vocab": "tokenizer (its vocabulary size)",
     "data": "data (its content)",
     "model": "model (its architecture)",
+    "exchange": "round protocol (the p2p-cocodc release)",
 }
 SHOWN_CHARS = 40  # a value from another peer is shown at most this long
 SHOWN_DIFFERENCES = 4
