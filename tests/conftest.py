@@ -33,18 +33,19 @@ for _tree in ("p2p_cocodc", "tests"):
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# The files that start real swarms, longest first (seconds of a full run on 2 cores, 2026-12-02). The
-# suite runs files on two workers in collection order (`--no-loadscope-reorder` in pyproject.toml:
-# xdist would otherwise order them by their number of tests, which put test_restarts' three tests
-# of 45-55 s each last, alone on one worker for minutes); the long ones go first, as in the
-# longest-processing-time rule, so the short ones fill in at the end.
+# The files that start real swarms, longest first (seconds of a full run on 2 cores: test_netns,
+# test_hostile, test_restarts and test_elastic 2026-12-03, with other heavy jobs on the machine, the
+# rest 2026-12-02). The suite runs files on two workers in collection order (`--no-loadscope-reorder`
+# in pyproject.toml: xdist would otherwise order them by their number of tests, which put
+# test_restarts' three tests of 45-55 s each last, alone on one worker for minutes); the long ones go
+# first, as in the longest-processing-time rule, so the short ones fill in at the end.
 LONGEST_FIRST = (
-    "test_netns.py",  # ~285
-    "test_restarts.py",  # ~195
-    "test_elastic.py",  # ~160
+    "test_netns.py",  # ~320
+    "test_hostile.py",  # ~185
+    "test_restarts.py",  # ~170
     "test_swarm.py",  # ~135
-    "test_hostile.py",  # ~125
     "test_stops.py",  # ~120
+    "test_elastic.py",  # ~115
     "test_region.py",  # ~90
     "test_theta_agreement.py",  # ~75
     "test_hf.py",  # ~55

@@ -209,11 +209,12 @@ def test_three_peers_over_thin_links_send_less_and_end_with_one_global_model(tmp
     assert_replayed(tmp_path, THIN, summaries[0]["global_params_sha256"])
 
 
-# THIN's run with a slot every 24 steps (H = 48, 2 fragments), twice as long, τ = 12 and the wide
-# links declared; the peers' steps take at least 20 ms (``SLOW_STEPS``), so that a round lands
-# within τ on the wide links whatever this machine's speed: the swarm keeps ⌊H/N⌋ and fp32 until
-# the links narrow (a slot wider than ⌊H/N⌋ + q is a link's bandwidth, and q2's)
-NARROWING = [*THIN, "--inner-steps", "48", "--steps", "576", "--overlap", "12", "--bandwidth-mbps", "200"]
+# THIN's run with a slot every 24 steps (H = 48, 2 fragments), τ = 12 and the wide links declared;
+# the peers' steps take at least 20 ms (``SLOW_STEPS``), so that a round lands within τ on the wide
+# links whatever this machine's speed: the swarm keeps ⌊H/N⌋ and fp32 until the links narrow (a slot
+# wider than ⌊H/N⌋ + q is a link's bandwidth, and q2's). 432 steps: the links narrow at about step
+# 150, and the rounds that must show the wider pace and q2 were sent by step ~250 (at a slot of ~31)
+NARROWING = [*THIN, "--inner-steps", "48", "--steps", "432", "--overlap", "12", "--bandwidth-mbps", "200"]
 SLOW_STEPS = ["--min-step-time", "0.02"]  # a join option: the replay leaves it out
 
 
@@ -338,9 +339,11 @@ def test_a_joiner_takes_a_state_its_link_needs_longer_than_a_message_deadline_fo
 
 
 # three nano peers over 1 Mbit/s links, declared: their state (θ̄ and the outer momentum, 0.9 MB)
-# takes about 15 s to arrive, 300 of their steps (at least 50 ms each)
+# takes about 15 s to arrive, 300 of their steps (at least 50 ms each). 768 steps: peer 2, killed
+# after 3 rounds (about step 70), came back and caught up by step ~490 here (the rest of the run
+# and the replay are the test's cost: 1200 steps took ~45 s more)
 CATCH_UP = ["--algo", "cocodc", "--model", "nano", "--tokenizer", "byte", "--seq-len", "32"]
-CATCH_UP += ["--batch-size", "4", "--workers", "3", "--steps", "1200", "--inner-steps", "24"]
+CATCH_UP += ["--batch-size", "4", "--workers", "3", "--steps", "768", "--inner-steps", "24"]
 CATCH_UP += ["--fragments", "2", "--overlap", "12", "--eval-every", "96", "--eval-batches", "2"]
 CATCH_UP += ["--threads", "1", "--bandwidth-mbps", "1", "--latency-ms", "50"]
 

@@ -36,7 +36,8 @@ def test_a_whole_swarm_killed_and_resumed_ends_with_the_uninterrupted_global_mod
     earlier cosines), so that holds only if a checkpoint keeps each peer's screening memory, and
     the memory each sync in flight was sent with (``peer/in_flight.py``)."""
     boot = start_bootstrap(tmp_path)
-    options = ["--algo", "cocodc", *TINY, "--steps", "400", "--overlap", "6", "--outlier-cosine", "0.9"]
+    steps = 160  # killed at step 32 or a little later, they resume from 32 (or 48) and train 100 more
+    options = ["--algo", "cocodc", *TINY, "--steps", str(steps), "--overlap", "6", "--outlier-cosine", "0.9"]
     common = ["join", "--bootstrap", boot.maddr, *options, "--pace", "fixed"]
     common += ["--run-id", "resumed", "--checkpoint-every", "16", "--verbose"]
 
@@ -66,10 +67,10 @@ def test_a_whole_swarm_killed_and_resumed_ends_with_the_uninterrupted_global_mod
     logs = "\n".join((tmp_path / f"peer{i}-resumed.log").read_text() for i in range(3))
     assert logs.count("resuming the run after step") == 3, logs[-6000:]
     summaries = [records(tmp_path / f"peer{i}.jsonl")[-1] for i in range(3)]
-    assert all(s["kind"] == "summary" and s["steps"] == 400 for s in summaries)
+    assert all(s["kind"] == "summary" and s["steps"] == steps for s in summaries)
     hashes = {s["global_params_sha256"] for s in summaries}
     assert len(hashes) == 1, logs[-6000:]
-    assert evals(tmp_path / "peer0.jsonl") == 400 // 8 + 1  # --out as an uninterrupted run's
+    assert evals(tmp_path / "peer0.jsonl") == steps // 8 + 1  # --out as an uninterrupted run's
     sim = simulate_here([*options, "--out", "sim.jsonl"], tmp_path)
     assert sim.returncode == 0, sim.stderr
     simulated = records(tmp_path / "sim.jsonl")
@@ -90,7 +91,8 @@ def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_
     boot = start_bootstrap(tmp_path)
     peers = []
     try:
-        outs = start_three_training(tmp_path, boot, "frozen", 600, peers)
+        # 448 steps: the others still train when it wakes (it took their state at step ~140 here)
+        outs = start_three_training(tmp_path, boot, "frozen", 448, peers)
         frozen = round_leader_shard(boot.host_port, "frozen")
         others = [i for i in range(3) if i != frozen]
         peers[frozen].send_signal(signal.SIGSTOP)
@@ -125,14 +127,16 @@ def test_a_peer_stopped_longer_than_its_record_lives_never_splits_the_swarm(tmp_
     logs = "\n".join((tmp_path / f"peer{i}.log").read_text()[-6000:] for i in others)
     assert summaries[0]["global_params_sha256"] == summaries[1]["global_params_sha256"], logs
     assert resumed["global_params_sha256"] == summaries[0]["global_params_sha256"], frozen_log[-3000:]
-    assert all(s["kind"] == "summary" and s["steps"] == 600 for s in summaries)
+    assert all(s["kind"] == "summary" and s["steps"] == 448 for s in summaries)
     # they waited for the frozen leader (until its record lapsed from their boards, or a round under
     # way until it had been silent for answer_s) in at most two rounds, which failed; every other
     # round of theirs was done (how long the waits took is the machine's: stall_s is wall-clock)
     assert summaries[0]["rounds_failed"] == summaries[1]["rounds_failed"] <= 2, logs
 
 
-COMEBACK_STEPS = 768  # founders still train when the crashed peer is back (unloaded: ~220 steps later)
+# founders still train when the crashed peer is back (unloaded: ~220 steps after the kill at ~16;
+# beside another swarm test, ~40), and for rounds with it after that
+COMEBACK_STEPS = 512
 
 
 def test_a_crashed_peer_comes_back_on_its_shard_and_ends_with_the_swarms_model(tmp_path: Path) -> None:
