@@ -25,7 +25,7 @@ from p2p_cocodc.algorithms.codecs import CODECS, Codec, get_codec
 from p2p_cocodc.swarm import exchange as exchange_module
 from p2p_cocodc.swarm import lanes as lanes_module
 from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
-from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, Part, parse_members, parse_message
+from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, Part, Result, parse_members, parse_message
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round_events import leader_rank
 from p2p_cocodc.swarm.wire import BadMessage, close_when_read, read_frame, write_end, write_frame
@@ -248,6 +248,31 @@ def test_a_stream_carries_at_most_max_pieces_messages_and_the_rest_is_refused(dh
 
     opened = asyncio.run(main())
     assert opened == {f"j{i}" for i in range(MAX_PIECES)}, opened
+
+
+def test_a_rounds_results_do_not_wait_behind_its_own_unacknowledged_parts(dhts) -> None:
+    """A bulk delivery holds its peer's link until it is acknowledged, so that a later round's
+    slices wait their turn, but a round's own RESULTs go while its PARTs to that peer are still
+    unacknowledged (its owner sends them back while later pieces arrive: ``swarm/lanes.py``).
+    The re-send period is an hour here: had the RESULT waited, it would never leave."""
+
+    async def main():
+        a, b = await make_pair(dhts)
+        a.deadlines = replace(a.deadlines, resend_s=3600.0)
+        to = b.p2p.peer_id.to_base58()
+        members = ((a.p2p.peer_id.to_base58(), 0), (to, 1))
+        numel = lanes_module.BULK_BYTES // 4  # fp32: one bulk message each
+        data = bytes(4 * numel)
+        try:
+            received = b.stats.messages_received
+            a.lanes.send(to, [Part("unopened", members, 0, 1, numel, data)])  # b never acknowledges it
+            await until(lambda: b.stats.messages_received > received, "the part")
+            a.lanes.send(to, [Result("unopened", members, 0, 0, numel, data)])
+            await until(lambda: b.stats.messages_received >= received + 2, "the round's result", 30.0)
+        finally:
+            await stop_all([a, b])
+
+    asyncio.run(main())
 
 
 def test_a_delivery_of_a_group_left_does_not_hold_up_the_link(dhts) -> None:
