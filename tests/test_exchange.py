@@ -25,7 +25,17 @@ from p2p_cocodc.algorithms.codecs import CODECS, Codec, get_codec
 from p2p_cocodc.swarm import exchange as exchange_module
 from p2p_cocodc.swarm import lanes as lanes_module
 from p2p_cocodc.swarm.exchange import FragmentExchange, LinkMeter, RoundFailed
-from p2p_cocodc.swarm.messages import Code, Fetch, Join, Message, Part, Result, parse_members, parse_message
+from p2p_cocodc.swarm.messages import (
+    Code,
+    Fetch,
+    Join,
+    Members,
+    Message,
+    Part,
+    Result,
+    parse_members,
+    parse_message,
+)
 from p2p_cocodc.swarm.records import PeerRecord
 from p2p_cocodc.swarm.round_events import leader_rank
 from p2p_cocodc.swarm.wire import BadMessage, close_when_read, read_frame, write_end, write_frame
@@ -250,11 +260,13 @@ def test_a_stream_carries_at_most_max_pieces_messages_and_the_rest_is_refused(dh
     assert opened == {f"j{i}" for i in range(MAX_PIECES)}, opened
 
 
-def test_a_rounds_results_do_not_wait_behind_its_own_unacknowledged_parts(dhts) -> None:
-    """A bulk delivery holds its peer's link until it is acknowledged, so that a later round's
-    slices wait their turn, but a round's own RESULTs go while its PARTs to that peer are still
-    unacknowledged (its owner sends them back while later pieces arrive: ``swarm/lanes.py``).
-    The re-send period is an hour here: had the RESULT waited, it would never leave."""
+def sent_behind_an_unacknowledged_delivery(
+    dhts, second: Callable[[Members, int, bytes], Message]
+) -> set[tuple[int, int]]:
+    """Peer a sends b a bulk PART of a round b never opened (so b never acknowledges it), then
+    ``second(members, numel, data)``; once b has read both, the (kind, index) of the deliveries a
+    still awaits an acknowledgement of. The re-send period is an hour: a second delivery that
+    waited for the first one's acknowledgement would never leave."""
 
     async def main():
         a, b = await make_pair(dhts)
@@ -265,41 +277,37 @@ def test_a_rounds_results_do_not_wait_behind_its_own_unacknowledged_parts(dhts) 
         data = bytes(4 * numel)
         try:
             received = b.stats.messages_received
-            a.lanes.send(to, [Part("unopened", members, 0, 1, numel, data)])  # b never acknowledges it
-            await until(lambda: b.stats.messages_received > received, "the part")
-            a.lanes.send(to, [Result("unopened", members, 0, 0, numel, data)])
-            await until(lambda: b.stats.messages_received >= received + 2, "the round's result", 30.0)
+            a.lanes.send(to, [Part("unopened", members, 0, 1, numel, data)])  # never acknowledged
+            await until(lambda: b.stats.messages_received > received, "the first delivery")
+            a.lanes.send(to, [second(members, numel, data)])
+            await until(lambda: b.stats.messages_received >= received + 2, "the delivery after it", 30.0)
+            return {(kind, index) for _, _, kind, index in a.lanes.acks_awaited}
         finally:
             await stop_all([a, b])
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_rounds_results_do_not_wait_behind_its_own_unacknowledged_parts(dhts) -> None:
+    """A bulk delivery holds its peer's link until it is acknowledged, so that a later round's
+    slices wait their turn, but a round's own RESULTs go while its PARTs to that peer are still
+    unacknowledged (its owner sends them back while later pieces arrive: ``swarm/lanes.py``)."""
+    awaited = sent_behind_an_unacknowledged_delivery(
+        dhts, lambda members, numel, data: Result("unopened", members, 0, 0, numel, data)
+    )
+    assert (int(Code.PART), 1) in awaited  # the PART's wait holds on: the RESULT went beside it
 
 
 def test_a_delivery_of_a_group_left_does_not_hold_up_the_link(dhts) -> None:
     """A bulk delivery waits for its acknowledgement before the next one to that peer is written.
     One of a group this peer has left (a lying leader's private pair, ``RoundMachine._on_group``)
     is never acknowledged: a delivery of the same round and kind with another index (the new
-    group's) releases that wait and goes at once. The re-send period is an hour here: without the
-    release, the second message never leaves (in a real swarm: every round the forger led waited
-    2 s, and so did the next bulk delivery to it, of any round)."""
-
-    async def main():
-        a, b = await make_pair(dhts)
-        a.deadlines = replace(a.deadlines, resend_s=3600.0)
-        to = b.p2p.peer_id.to_base58()
-        members = ((a.p2p.peer_id.to_base58(), 0), (to, 1))
-        numel = lanes_module.BULK_BYTES // 4  # fp32: one bulk message each
-        data = bytes(4 * numel)
-        try:
-            received = b.stats.messages_received
-            a.lanes.send(to, [Part("pair", members, 0, 1, numel, data)])  # never acknowledged
-            await until(lambda: b.stats.messages_received > received, "the pair's part")
-            a.lanes.send(to, [Part("pair", members[::-1], 0, 0, numel, data)])  # the group it joined
-            await until(lambda: b.stats.messages_received >= received + 2, "the part after it", 30.0)
-        finally:
-            await stop_all([a, b])
-
-    asyncio.run(main())
+    group's) releases that wait and goes at once (in a real swarm: every round the forger led
+    waited 2 s, and so did the next bulk delivery to it, of any round)."""
+    awaited = sent_behind_an_unacknowledged_delivery(
+        dhts, lambda members, numel, data: Part("unopened", members[::-1], 0, 0, numel, data)
+    )
+    assert (int(Code.PART), 1) not in awaited  # the left group's wait was released
 
 
 def test_a_peer_sending_payloads_of_the_wrong_size_fails_the_round_not_the_peer(dhts) -> None:

@@ -353,17 +353,15 @@ class RoundMachine(Butterfly):
             if self.members is None:
                 leader = self.claims.first(msg.members)
                 if self.claims.names_me(msg.members) and leader in self.claims.joined:
-                    self.early[(sender, msg.code, msg.piece())] = (
-                        msg  # ahead of our leader's GROUP: held until it
-                    )
+                    # ahead of our leader's GROUP: held until it comes, which a JOIN asks for again now
+                    self.early[(sender, msg.code, msg.piece())] = msg
                     self._send(out, leader, Join(self.round_id, self.shard, self.fingerprint, self.wish), now)
-                return  # comes, which a JOIN asks for again now; any other list is never held or ACKed
+                return  # any other list is never held or ACKed
         if not self._same_group(msg):
             if self.members is not None:
                 if self.claims.outranked((self.members, self.pace), (msg.members, msg.pace)):
-                    self.early[(sender, msg.code, msg.piece())] = (
-                        msg  # our leader's other list: kept for a switch
-                    )
+                    # our leader's other list: kept for a switch
+                    self.early[(sender, msg.code, msg.piece())] = msg
                 self._send(out, sender, Group(self.round_id, self.members, self.pace), now, expect=False)
             else:
                 self._reply_settled(out, sender, now)
@@ -373,11 +371,9 @@ class RoundMachine(Butterfly):
         ):
             self._reply_settled(out, sender, now)  # our butterfly is over: the sender must recover
             return
-        peers = [p for p, _ in self.members]
-        if sender not in peers:
+        if not self._is_member(sender):
             return
-        owner = self.me if msg.code == Code.PART else sender
-        if msg.index >= self._slices() or peers[msg.index % len(peers)] != owner:
+        if msg.index not in self._owned(self.me if msg.code == Code.PART else sender):
             return  # not a slice this peer owns (or the sender owns): ignore, never ACK
         key = (sender, msg.index) if msg.code == Code.PART else msg.index
         box: dict = self.parts if msg.code == Code.PART else self.results

@@ -164,7 +164,4 @@ class Butterfly:
 
     def _ran_with(self, sender: str) -> bool:
         """Whether ``sender`` sent us a part, or we hold a mean it owns."""
-        if any(p == sender for p, _ in self.parts):
-            return True
-        peers = [p for p, _ in self.members or ()]
-        return sender in peers and any(peers[s % len(peers)] == sender for s in self.results)
+        return any(p == sender for p, _ in self.parts) or any(s in self.results for s in self._owned(sender))
