@@ -161,13 +161,14 @@ async def start_donors(dhts, states: list[dict]) -> tuple[object, list[Donor]]:
     return p2ps[0], donors
 
 
-async def asked(donors: list[Donor], step: int) -> None:
-    """Until every donor has been asked for its state at ``step`` (no wall-clock ordering)."""
-    for _ in range(1000):
-        if all(step in d.server.snapshots for d in donors):
-            return
+async def asked(donors: list[Donor], step: int, within_s: float = 60.0) -> None:
+    """Until every donor has been asked for its state at ``step`` (no wall-clock ordering; the bound
+    only ends a test that would hang: 10 s ran out once in CI, the machine loaded by the other worker)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not all(step in d.server.snapshots for d in donors):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"the donors were not asked for step {step}")
         await asyncio.sleep(0.01)
-    raise AssertionError(f"the donors were not asked for step {step}")
 
 
 async def train_until(donors: list[Donor], step: int) -> None:
