@@ -385,13 +385,21 @@ def test_inner_settings() -> None:
 def test_a_transfer_longer_than_h_steps_is_an_error_but_on_a_paced_link() -> None:
     """2 Mbit/s, 1 MB per sync, 0.1 s steps: 40 steps to hide a transfer against H = 24. The
     simulator (and a streaming peer) says what to change; a cocodc peer, whose swarm widens its send
-    pace to what the link carries, takes τ = H − 1 and trains."""
+    pace to what the link carries, takes τ = H − 1 and at least K sends per H, and trains."""
     from p2p_cocodc.config.derived import Link, sync_shape
 
     slow = Link([1_000_000], 0.0, 2e6, 0.1)
     with pytest.raises(UserError, match="a fragment transfer takes 4.00 s = 40 inner steps"):
         sync_shape("cocodc", 24, 2, AUTO, AUTO, slow)
-    assert sync_shape("cocodc", 24, 2, AUTO, AUTO, replace(slow, paced=True)) == (23, 1)
+    assert sync_shape("cocodc", 24, 2, AUTO, AUTO, replace(slow, paced=True)) == (23, 1)  # --pace fixed
+    # a peer that asks for a pace: N = K = 2, not the 1 the declared link fits (slots every ⌊H/K⌋
+    # steps, which the measured pace widens)
+    assert sync_shape("cocodc", 24, 2, AUTO, AUTO, replace(slow, paced=True, asks_pace=True)) == (23, 2)
+    fast = Link([1_000], 0.0, 2e9, 0.1)  # where the link fits more than K sends per H, that many
+    assert sync_shape("cocodc", 24, 2, AUTO, AUTO, replace(fast, paced=True, asks_pace=True)) == sync_shape(
+        "cocodc", 24, 2, AUTO, AUTO, fast
+    )
+    assert sync_shape("cocodc", 24, 2, AUTO, AUTO, fast)[1] > 2
     assert sync_shape("cocodc", 24, 2, AUTO, 2, replace(slow, paced=True, step_time=1.0)) == (4, 2)
 
 

@@ -29,6 +29,7 @@ class Link:
     bandwidth_bps: float
     step_time: float
     paced: bool = False  # a cocodc peer, whose sends the swarm spaces out when the link lags behind
+    asks_pace: bool = False  # and it asks the swarm for the pace its link carries (--pace link)
 
 
 # the share of a declared link's rate that a round gets: the declared rate is the line's, TCP's
@@ -56,7 +57,15 @@ def sync_shape(
     'auto' the smallest τ that hides the slowest transfer and the most sends per H steps the link
     carries (``link``: what they are worked out from; ValueError without it). A transfer longer
     than H − 1 steps is a UserError, but on a paced link (a cocodc peer: the swarm widens its send
-    pace to what the link carries), where τ becomes H − 1."""
+    pace to what the link carries), where τ becomes H − 1.
+
+    Where the peer asks for that pace itself (``--pace link``, the default), N is at least K: ⌊H/N⌋
+    is only the narrowest slot spacing there, and the pace the swarm measures and agrees on sets the
+    rest (``AdaptiveSchedule``). An N worked out before the start from the declared link and the
+    step time is a guess, and a pace only widens the slots from ⌊H/N⌋: on `thin` (2 Mbit/s, steps
+    of 0.3 s) N = 1 kept a send every 24 to 30 steps where q2's rounds fit every 8 to 10, and the
+    swarm synced 10 rounds in 192 steps instead of 21 to 22 (``docs/thin-link.md``, "Slots every
+    ⌊H/K⌋ steps under a pace")."""
     if AUTO in (overlap, transmissions):
         if link is None:
             raise ValueError("'auto' is worked out from the link and the step time: pass link")
@@ -75,6 +84,8 @@ def sync_shape(
             mean_time = sum(times) / len(times)
             fitting = math.floor(inner_steps * link.step_time / mean_time)
             transmissions = min(inner_steps, max(1, fitting))
+            if link.asks_pace:  # slots at least every ⌊H/K⌋ steps: the measured pace widens them
+                transmissions = max(transmissions, min(fragments, inner_steps))
     if overlap is None:  # each algorithm's own default
         overlap = 0 if algo in BLOCKING else inner_steps // 4
     return int(overlap), fragments if transmissions is None else int(transmissions)

@@ -76,7 +76,8 @@ class TrainConfig:
     )
     transmissions: int | str | None = opt(
         None,
-        "N: fragment sends per H steps for cocodc ('auto' = what the link carries)",
+        "N: fragment sends per H steps for cocodc ('auto' = what the link carries; a peer with "
+        "--pace link: at least K, its swarm's pace widening the slots)",
         auto=True,
         shown="K",
     )

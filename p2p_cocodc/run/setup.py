@@ -104,11 +104,17 @@ class TrainingSetup:
         return measure_step_time(trainer, self.shard(0, self.cfg.data_shards))
 
     def settings(
-        self, latency_s: float, bandwidth_bps: float, step_time: float | None, paced: bool = False
+        self,
+        latency_s: float,
+        bandwidth_bps: float,
+        step_time: float | None,
+        paced: bool = False,
+        asks_pace: bool = False,
     ) -> AlgoSettings:
         """The core's settings, with --overlap auto / --transmissions auto turned into numbers
         from the link and the step time (which auto needs); ``paced``: a peer whose swarm widens
-        the send pace, where a transfer longer than H steps makes τ = H − 1 instead of an error."""
+        the send pace, where a transfer longer than H steps makes τ = H − 1 instead of an error;
+        ``asks_pace``: one that asks for that pace itself, whose N is at least K."""
         cfg = self.cfg
         if not self.needs_step_time():
             return cfg.algo_settings()
@@ -118,7 +124,7 @@ class TrainingSetup:
         else:
             sizes = [self.num_params]
         wire = [allreduce_wire_bytes(self.codec, n, cfg.workers) for n in sizes]
-        return cfg.algo_settings(link=Link(wire, latency_s, bandwidth_bps, step_time, paced))
+        return cfg.algo_settings(link=Link(wire, latency_s, bandwidth_bps, step_time, paced, asks_pace))
 
     def eval_record(
         self, model: nn.Module, global_state: dict[str, torch.Tensor], step: int, replicas: int
