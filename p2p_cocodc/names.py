@@ -18,7 +18,7 @@ FINER_THAN_Q2 = ("fp32", "bf16", "int8", "fp4")
 # the codec of outer gradients when --codec is not given: the fewest bytes at most 1 % above fp32's
 # perplexity on the codec benchmark (chosen on sotu-before-1900, judged on sotu-from-1900 and
 # web-bible: docs/codecs.md) and on the schedule of a `thin` run (a fragment synced every 192 steps:
-# docs/performance.md). q2 meets the first at 614x fewer bytes than ddp, but ends 2.4 % behind fp32
+# docs/performance.md). q2 meets the first at 564x fewer bytes than ddp, but ends 2.4 % behind fp32
 # on the second; fp4 is level with fp32 on both
 DEFAULT_CODEC = "fp4"
 # a top-k codec's share of each chunk of 256 values when --topk is not given: of the shares measured
