@@ -29,7 +29,7 @@ class Link:
     bandwidth_bps: float
     step_time: float
     paced: bool = False  # a cocodc peer, whose sends the swarm spaces out when the link lags behind
-    asks_pace: bool = False  # and it asks the swarm for the pace its link carries (--pace link)
+    asks_pace: bool = False  # a paced peer that asks the swarm for the pace its link carries (--pace link)
 
 
 # the share of a declared link's rate that a round gets: the declared rate is the line's, TCP's
@@ -84,7 +84,7 @@ def sync_shape(
             mean_time = sum(times) / len(times)
             fitting = math.floor(inner_steps * link.step_time / mean_time)
             transmissions = min(inner_steps, max(1, fitting))
-            if link.asks_pace:  # slots at least every ⌊H/K⌋ steps: the measured pace widens them
+            if link.paced and link.asks_pace:  # slots every ⌊H/K⌋ steps at least: the pace widens them
                 transmissions = max(transmissions, min(fragments, inner_steps))
     if overlap is None:  # each algorithm's own default
         overlap = 0 if algo in BLOCKING else inner_steps // 4

@@ -178,8 +178,7 @@ class Peer:
         self.setup = TrainingSetup(cfg, region.placement if region is not None else None)
         step_time = self.setup.step_time() if self.setup.needs_step_time() else cfg.step_time
         link = (cfg.latency_ms / 1000.0, cfg.bandwidth_mbps * 1e6, step_time)
-        paced = cfg.algo == "cocodc"  # its pace takes the rest
-        self.settings = self.setup.settings(*link, paced=paced, asks_pace=paced and opts.pace == "link")
+        self.settings = self.setup.settings(*link, paced=cfg.algo == "cocodc", asks_pace=opts.pace == "link")
         shared = shared_options(self.setup, self.settings)
         self.fingerprint = fingerprint(shared)
         self.options = option_view(shared)  # published, so a mismatched peer can say what differs

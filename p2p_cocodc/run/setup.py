@@ -114,7 +114,7 @@ class TrainingSetup:
         """The core's settings, with --overlap auto / --transmissions auto turned into numbers
         from the link and the step time (which auto needs); ``paced``: a peer whose swarm widens
         the send pace, where a transfer longer than H steps makes τ = H − 1 instead of an error;
-        ``asks_pace``: one that asks for that pace itself, whose N is at least K."""
+        ``asks_pace``: such a peer asks for that pace itself (--pace link), and its N is at least K."""
         cfg = self.cfg
         if not self.needs_step_time():
             return cfg.algo_settings()
