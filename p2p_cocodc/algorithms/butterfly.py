@@ -56,6 +56,13 @@ def pieces_per_member(numel: int, members: int, codec: Codec, piece_bytes: int =
     return max(1, min(MAX_PIECES, largest // piece_bytes))
 
 
+def round_slice_sizes(numel: int, members: int, codec: Codec, piece_bytes: int = PIECE_BYTES) -> list[int]:
+    """The sizes of the S = M·C slices a round of ``members`` members cuts a vector of ``numel``
+    values into (C: ``pieces_per_member``), in slice order: member s mod M owns slice s."""
+    slices = members * pieces_per_member(numel, members, codec, piece_bytes)
+    return slice_sizes(numel, slices, codec.block)
+
+
 def owner_cosines(pieces: Sequence[Screening]) -> tuple[float, ...]:
     """What an owner's ``CosineRecord`` takes for a round from the screenings of its pieces (in
     slice order): each member's mean cosine over them (empty where nothing was screened)."""
@@ -127,9 +134,8 @@ def butterfly_mean(
     if len(vectors) == 1:
         return ButterflyMean(vectors[0].clone(), (), ((),))
     count = len(vectors)
-    numel = vectors[0].numel()
-    slices = count * pieces_per_member(numel, count, codec, piece_bytes)
-    sizes = slice_sizes(numel, slices, codec.block)
+    sizes = round_slice_sizes(vectors[0].numel(), count, codec, piece_bytes)
+    slices = len(sizes)
     encoded = [encode_slices(v, slices, codec) for v in vectors]
     reduced = []
     for s in range(slices):

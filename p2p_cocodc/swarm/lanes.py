@@ -77,7 +77,7 @@ class ExchangeStats:
 
     def record_send(self, num_bytes: int, seconds: float) -> None:
         """A message of ``num_bytes`` tensor bytes has been written in ``seconds``."""
-        if num_bytes >= 64 * 1024 and seconds > 0:
+        if num_bytes >= BULK_BYTES and seconds > 0:
             mbps = 8e-6 * num_bytes / seconds
             self.bandwidth_mbps = mbps if not self.bandwidth_mbps else 0.8 * self.bandwidth_mbps + 0.2 * mbps
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from p2p_cocodc.algorithms.butterfly import pieces_per_member, slice_sizes
+from p2p_cocodc.algorithms.butterfly import round_slice_sizes
 from p2p_cocodc.algorithms.inner_share import weight
 from p2p_cocodc.swarm.messages import Code, Members, Part, Result
 from p2p_cocodc.swarm.round_events import Completed, Compute, Effect, Job, Phase, short
@@ -48,10 +48,7 @@ class Butterfly:
         if len(self.members) == 1:  # the average is our own vector (read only, never written: no copy)
             self._settle(Completed(self.vector, self.members, self.pace, by_butterfly=True), now, out)
             return
-        numel, count = self.vector.numel(), len(self.members)
-        self.sizes = slice_sizes(
-            numel, count * pieces_per_member(numel, count, self.codec, self.piece_bytes), self.codec.block
-        )
+        self.sizes = round_slice_sizes(self.vector.numel(), len(self.members), self.codec, self.piece_bytes)
         for sender, s in list(self.parts):
             if sender != self.me and len(self.parts[(sender, s)]) != self.codec.wire_bytes(self.sizes[s]):
                 self._recover(now, out, f"peer {short(sender)} sent a slice of the wrong size")
